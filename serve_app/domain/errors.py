@@ -1,0 +1,52 @@
+"""Domain errors. The API maps each class to one HTTP status in serve_app/api/errors.py."""
+
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    """Base class; `message` is safe to show to clients, `details` lists field-level problems."""
+
+    def __init__(self, message: str, details: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details or {}
+
+
+class ValidationFailed(ServiceError):
+    """A request field is missing or has a value outside its rules (422)."""
+
+
+class UnsupportedMedia(ServiceError):
+    """The body or the uploaded file is of a type we do not accept (415)."""
+
+
+class PayloadTooLarge(ServiceError):
+    """The request or image exceeds a configured size or pixel limit (413)."""
+
+
+class AuthenticationFailed(ServiceError):
+    """No credentials, or credentials that are invalid, expired or revoked (401)."""
+
+
+class RateLimited(ServiceError):
+    """Too many requests for this key in the current window (429)."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class NotFound(ServiceError):
+    """The resource does not exist, or belongs to another tenant (404)."""
+
+
+class ProofExpired(ServiceError):
+    """A proof URL whose token has expired (410)."""
+
+
+class BackendUnavailable(ServiceError):
+    """Redis or Milvus cannot be reached (503)."""
+
+
+class ModelUnavailable(ServiceError):
+    """A model deployment failed to answer (503)."""

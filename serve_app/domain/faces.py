@@ -1,0 +1,42 @@
+"""Enrolled faces and search matches."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def new_face_id() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True)
+class FaceRecord:
+    """Metadata of an enrolled face; its vector lives in the gallery (Milvus) under the same face_id."""
+
+    face_id: str
+    tenant_id: str
+    client_reference: str | None
+    proof_key: str  # blob-store key of the enrolled proof image
+    model_version: str
+    created_at: float
+    reference_id: str  # the transaction that enrolled it
+
+
+@dataclass(frozen=True)
+class GalleryEntry:
+    face_id: str
+    tenant_id: str
+    client_reference: str | None
+    model_version: str
+    embedding: np.ndarray  # float32 [128]
+    created_at: float
+
+
+@dataclass(frozen=True)
+class GalleryMatch:
+    face_id: str
+    client_reference: str | None
+    distance: float  # Euclidean distance between descriptors

@@ -1,0 +1,48 @@
+"""Transactions: what a create call persists and a worker finalises."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class TransactionKind(StrEnum):
+    FACE_SEARCH = "face_search"
+    AGE_ESTIMATION = "age_estimation"
+
+
+class TransactionState(StrEnum):
+    QUEUED = "queued"  # persisted and on the work queue
+    PROCESSING = "processing"  # a worker has claimed it
+    COMPLETED = "completed"  # final: result holds the outcome
+    FAILED = "failed"  # final: error says why (e.g. the stored image could not be processed)
+
+    @property
+    def is_final(self) -> bool:
+        return self in (TransactionState.COMPLETED, TransactionState.FAILED)
+
+
+def new_reference_id() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass
+class Transaction:
+    reference_id: str
+    tenant_id: str
+    kind: TransactionKind
+    state: TransactionState
+    created_at: float
+    updated_at: float
+    image_key: str  # blob-store key of the uploaded image
+    enroll_face: bool
+    allow_override: bool = False
+    client_reference: str | None = None
+    attempts: int = 0
+    # Final outcome; JSON-serialisable. Proof URLs are minted when the result is read, not stored,
+    # because each URL expires 15 minutes after it is issued.
+    result: dict[str, Any] | None = None
+    error: str | None = None
+    extra: dict[str, str] = field(default_factory=dict)

@@ -1,0 +1,130 @@
+"""The store interfaces the pipelines and API depend on. Implementations: redis_*.py, milvus_gallery.py,
+blobs.py. Unit tests of the logic above may fake these; integration tests use the real servers.
+
+Every method that talks to a backend raises serve_app.domain.errors.BackendUnavailable when the backend
+cannot be reached, so callers never see redis/pymilvus exception types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from serve_app.domain.faces import FaceRecord, GalleryEntry, GalleryMatch
+from serve_app.domain.transactions import Transaction
+
+
+@dataclass(frozen=True)
+class QueueEntry:
+    entry_id: str  # stream entry id, needed to acknowledge
+    reference_id: str
+    deliveries: int  # how many times this entry has been handed to a consumer
+
+
+class TransactionStore(Protocol):
+    async def create_and_enqueue(self, tx: Transaction) -> None:
+        """Persist the transaction and put it on the work queue atomically (one MULTI/EXEC)."""
+
+    async def get(self, reference_id: str) -> Transaction | None: ...
+
+    async def mark_processing(self, reference_id: str) -> Transaction | None:
+        """Move QUEUED/PROCESSING → PROCESSING, bump attempts; None if unknown or already final."""
+
+    async def complete(self, reference_id: str, result: dict[str, Any]) -> None: ...
+
+    async def fail(self, reference_id: str, error: str) -> None: ...
+
+    async def wait_final(self, reference_id: str, timeout_s: float) -> Transaction | None:
+        """Return the transaction once final, or its latest state when timeout_s passes."""
+
+    async def count_by_state(self) -> dict[str, int]: ...
+
+
+class WorkQueue(Protocol):
+    async def claim(self, consumer: str, count: int, block_ms: int) -> list[QueueEntry]:
+        """New entries for this consumer (consumer group semantics)."""
+
+    async def reclaim_stale(self, consumer: str, min_idle_ms: int, count: int) -> list[QueueEntry]:
+        """Entries delivered to a consumer that has not acknowledged them for min_idle_ms (it died)."""
+
+    async def ack(self, entry_ids: Sequence[str]) -> None: ...
+
+    async def depth(self) -> int:
+        """Entries not yet acknowledged (pending + undelivered)."""
+
+
+class FaceRecordStore(Protocol):
+    async def put(self, record: FaceRecord) -> None: ...
+
+    async def get(self, tenant_id: str, face_id: str) -> FaceRecord | None: ...
+
+    async def get_many(self, tenant_id: str, face_ids: Sequence[str]) -> dict[str, FaceRecord]: ...
+
+    async def latest_for_reference(self, tenant_id: str, client_reference: str) -> FaceRecord | None: ...
+
+    async def delete(self, tenant_id: str, face_id: str) -> None: ...
+
+    async def all_face_ids(self, tenant_id: str | None = None) -> set[tuple[str, str]]:
+        """(tenant_id, face_id) of every record; used by reconciliation."""
+
+    def reference_lock(self, tenant_id: str, client_reference: str, timeout_s: float) -> Any:
+        """Async context manager: a distributed lock serialising overrides of one client_reference."""
+
+
+class GalleryStore(Protocol):
+    async def add(self, entries: Sequence[GalleryEntry]) -> None: ...
+
+    async def search(
+        self, tenant_id: str, embedding: np.ndarray, limit: int, max_distance: float
+    ) -> list[GalleryMatch]:
+        """Nearest enrolled faces of this tenant only, closest first, within max_distance."""
+
+    async def delete(self, tenant_id: str, face_ids: Sequence[str]) -> None: ...
+
+    async def all_face_ids(self, tenant_id: str | None = None) -> set[tuple[str, str]]: ...
+
+    async def count(self) -> int: ...
+
+
+class BlobStore(Protocol):
+    async def put(self, key: str, data: bytes, content_type: str) -> None: ...
+
+    async def get(self, key: str) -> tuple[bytes, str] | None:
+        """(bytes, content_type), or None when absent."""
+
+    async def delete(self, key: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class ClientInfo:
+    client_id: str
+    name: str
+    created_at: float
+    revoked: bool
+
+
+class ClientStore(Protocol):
+    async def create(self, name: str) -> tuple[ClientInfo, str]:
+        """New client; returns its info and the plaintext secret (shown once, stored hashed)."""
+
+    async def verify(self, client_id: str, secret: str) -> ClientInfo | None:
+        """The client if the secret matches and it is not revoked, else None (constant-time compare)."""
+
+    async def find_by_secret(self, secret: str) -> ClientInfo | None:
+        """For the Client-Secret header: look the client up by a keyed hash of the secret."""
+
+    async def get(self, client_id: str) -> ClientInfo | None: ...
+
+    async def list(self) -> list[ClientInfo]: ...
+
+    async def revoke(self, client_id: str) -> bool: ...
+
+
+class RateLimiter(Protocol):
+    async def hit(self, key: str, limit: int, window_s: int) -> int:
+        """Count one event for key; return 0 when allowed, else seconds until the window frees up."""
+
+    async def reset(self, key: str) -> None: ...
