@@ -45,7 +45,9 @@ def create_session(
     providers = choose_providers(options.provider_preference)
     source = str(model) if isinstance(model, Path) else model
     session = ort.InferenceSession(source, sess_options=session_options, providers=providers)
-    logger.info("onnx session %s on %s", model if isinstance(model, Path) else "<bytes>", session.get_providers())
+    logger.info(
+        "onnx session %s on %s", model if isinstance(model, Path) else "<bytes>", session.get_providers()
+    )
     if warmup_feed is not None:
         session.run(None, warmup_feed)
     return session

@@ -1,0 +1,301 @@
+"""Accuracy of the model layer on the labelled dev photos.
+
+    python -m bench.accuracy [--faces-dev DIR] [--threads N] [--age-recipes]
+
+Prints: detection recall / false positives / group counts; verification distance ranges, accuracy and
+false-match rate at the default threshold; rank-1 identification; age MAE by band and the share of each
+under_18 / under_21 value per true-age group; the minor-policy alternatives the default was chosen against;
+with --age-recipes, age MAE and cost for other chip recipes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from bench.common import format_table, load_image
+from models.age import AGE_CHIP_SIZE, age_chip_views
+from models.analyzer import FaceAnalyzer, ModelConfig, largest_face, load_face_analyzer
+from models.arrays import to_rgb
+from models.scoring import DEFAULT_MATCH_DISTANCE, score_from_distance
+from models.types import AgeEstimate, AnalyzedFace
+from tests.faces_dev import LabelledImage, load_faces_dev
+
+AGE_BANDS: tuple[tuple[int, int], ...] = ((5, 11), (12, 17), (18, 25), (26, 40), (41, 70))
+AGE_GROUPS: tuple[tuple[str, int, int], ...] = (("<18", 0, 17), ("18-20", 18, 20), ("21+", 21, 200))
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    source: str  # file name, with the face index for group photos
+    identity: str  # group faces get a unique identity each: they are all different people
+    vector: np.ndarray
+
+
+def analyze_all(
+    analyzer: FaceAnalyzer, images: Sequence[LabelledImage], batch: int
+) -> dict[str, list[AnalyzedFace]]:
+    faces: dict[str, list[AnalyzedFace]] = {}
+    for start in range(0, len(images), batch):
+        chunk = images[start : start + batch]
+        results = analyzer.analyze([load_image(item.path) for item in chunk])
+        for item, found in zip(chunk, results, strict=True):
+            faces[item.path.name] = found
+    return faces
+
+
+def percent(part: int, whole: int) -> str:
+    return f"{100.0 * part / whole:.1f}%" if whole else "-"
+
+
+def detection_table(images: Sequence[LabelledImage], faces: dict[str, list[AnalyzedFace]]) -> str:
+    rows = []
+    for kind in ("identity", "age"):
+        subset = [item for item in images if item.kind == kind]
+        found = sum(1 for item in subset if faces[item.path.name])
+        extra = sum(max(0, len(faces[item.path.name]) - 1) for item in subset)
+        rows.append([kind, str(len(subset)), f"{found} ({percent(found, len(subset))})", str(extra)])
+    negatives = [item for item in images if item.kind == "negative"]
+    false_faces = sum(len(faces[item.path.name]) for item in negatives)
+    rows.append(["negative", str(len(negatives)), f"{false_faces} faces (false positives)", "-"])
+    for item in images:
+        if item.kind == "group":
+            rows.append([item.path.name, "1", f"{len(faces[item.path.name])} of {item.n_faces} faces", "-"])
+    return format_table(["set", "images", "images with a face / faces found", "extra faces"], rows)
+
+
+def collect_descriptors(
+    images: Sequence[LabelledImage], faces: dict[str, list[AnalyzedFace]]
+) -> list[Descriptor]:
+    descriptors = []
+    for item in images:
+        found = faces[item.path.name]
+        if item.kind == "identity":
+            probe = largest_face(found)
+            if probe is not None and probe.embedding is not None and item.identity is not None:
+                descriptors.append(Descriptor(item.path.name, item.identity, probe.embedding))
+        elif item.kind == "group":
+            for index, face in enumerate(found):
+                if face.embedding is not None:
+                    name = f"{item.path.name}#{index}"
+                    descriptors.append(Descriptor(name, name, face.embedding))
+    return descriptors
+
+
+def verification_tables(descriptors: list[Descriptor], threshold: float) -> str:
+    same, different = [], []
+    closest: tuple[float, str, str] = (float("inf"), "", "")
+    for a, b in itertools.combinations(descriptors, 2):
+        distance = float(np.linalg.norm(a.vector - b.vector))
+        if a.identity == b.identity:
+            same.append(distance)
+        else:
+            different.append(distance)
+            closest = min(closest, (distance, a.source, b.source))
+    same_d, diff_d = np.asarray(same), np.asarray(different)
+    rows = []
+    for name, values, wrong in (
+        ("same person", same_d, int(np.sum(same_d >= threshold))),
+        ("different people", diff_d, int(np.sum(diff_d < threshold))),
+    ):
+        if values.size == 0:
+            rows.append([name, "0", "-", "-", "-", "-", "-"])
+            continue
+        rows.append(
+            [
+                name,
+                str(values.size),
+                f"{values.min():.3f}",
+                f"{values.max():.3f}",
+                f"{values.mean():.3f}",
+                f"{score_from_distance(float(values.max())):.3f}-{score_from_distance(float(values.min())):.3f}",
+                f"{wrong} ({percent(wrong, values.size)})",
+            ]
+        )
+    table = format_table(
+        ["pairs", "n", "min dist", "max dist", "mean dist", "score range", f"wrong at {threshold}"], rows
+    )
+    false_matches = int(np.sum(diff_d < threshold))
+    false_non_matches = int(np.sum(same_d >= threshold))
+    total = same_d.size + diff_d.size
+    summary = (
+        f"faces: {len(descriptors)} ({len({d.identity for d in descriptors})} identities); "
+        f"accuracy at {threshold}: {percent(total - false_matches - false_non_matches, total)}; "
+        f"false-match rate {false_matches}/{diff_d.size} = {percent(false_matches, diff_d.size)}; "
+        f"false non-match rate {false_non_matches}/{same_d.size} = "
+        f"{percent(false_non_matches, same_d.size)}\n"
+        f"closest different pair: {closest[1]} / {closest[2]} at {closest[0]:.3f}"
+    )
+    return f"{table}\n{summary}"
+
+
+def identification_table(descriptors: list[Descriptor], threshold: float) -> str:
+    # Probes: identity photos whose person has at least one other photo; gallery: every other identity photo.
+    photos = [d for d in descriptors if "#" not in d.source]
+    correct = within = probes = 0
+    for probe in photos:
+        gallery = [d for d in photos if d is not probe]
+        if not any(d.identity == probe.identity for d in gallery):
+            continue
+        probes += 1
+        distances = [float(np.linalg.norm(probe.vector - d.vector)) for d in gallery]
+        best = int(np.argmin(distances))
+        if gallery[best].identity == probe.identity:
+            correct += 1
+            within += distances[best] < threshold
+    return format_table(
+        ["probes", "rank-1 correct", f"rank-1 correct and < {threshold}"],
+        [[str(probes), f"{correct} ({percent(correct, probes)})", f"{within} ({percent(within, probes)})"]],
+    )
+
+
+def age_tables(ages: list[tuple[int, AgeEstimate]], missing: int) -> str:
+    truth = np.asarray([true_age for true_age, _ in ages], dtype=np.float64)
+    expected = np.asarray([estimate.expected_age for _, estimate in ages])
+    rounded = np.asarray([estimate.age for _, estimate in ages], dtype=np.float64)
+    rows = []
+    for low, high in AGE_BANDS:
+        mask = (truth >= low) & (truth <= high)
+        if mask.any():
+            error = rounded[mask] - truth[mask]
+            rows.append(
+                [f"{low}-{high}", str(int(mask.sum())), f"{np.abs(error).mean():.2f}", f"{error.mean():+.2f}"]
+            )
+    error = rounded - truth
+    rows.append(["all", str(truth.size), f"{np.abs(error).mean():.2f}", f"{error.mean():+.2f}"])
+    mae = format_table(["true age", "faces", "MAE (integer age)", "bias"], rows)
+    expected_mae = np.abs(expected - truth).mean()
+    mae += f"\nMAE of the unrounded expectation: {expected_mae:.2f}; age photos without a face: {missing}"
+
+    tables = [mae]
+    for field in ("under_18", "under_21"):
+        share_rows = []
+        for name, low, high in AGE_GROUPS:
+            values = [getattr(estimate, field) for true_age, estimate in ages if low <= true_age <= high]
+            counts = [sum(v == level for v in values) for level in (0, 50, 100)]
+            share_rows.append([name, str(len(values))] + [f"{n} ({percent(n, len(values))})" for n in counts])
+        header = ["true age", "faces", f"{field}=0", f"{field}=50", f"{field}=100"]
+        tables.append(format_table(header, share_rows))
+    return "\n\n".join(tables)
+
+
+def policy_alternatives(ages: list[tuple[int, AgeEstimate]]) -> str:
+    """What a zero-label cut on the estimate vs on P(age<18) costs, for the record of the policy choice."""
+    truth = np.asarray([true_age for true_age, _ in ages])
+    expected = np.asarray([estimate.expected_age for _, estimate in ages])
+    p18 = np.asarray([estimate.p_under_18 for _, estimate in ages])
+    minors, adults = truth < 18, truth >= 21
+    rules = [(f"expected age >= {cut:g}", expected >= cut) for cut in (30.0, 32.0, 34.0, 36.0)]
+    rules += [(f"P(age<18) < {cut:g}", p18 < cut) for cut in (1e-3, 3e-4, 1e-4)]
+    rows = [
+        [rule, str(int(zero[minors].sum())), percent(int(zero[adults].sum()), int(adults.sum()))]
+        for rule, zero in rules
+    ]
+    summary = (
+        f"worst minor: expected age {expected[minors].max():.1f}, lowest P(age<18) {p18[minors].min():.5f}; "
+        f"lowest expected age of an adult 21+: {expected[adults].min():.1f}"
+        if minors.any() and adults.any()
+        else ""
+    )
+    table = format_table(["under_18 = 0 when", "minors given 0", "adults 21+ given 0"], rows)
+    return f"{table}\n{summary}"
+
+
+def age_recipes(analyzer: FaceAnalyzer, images: Sequence[LabelledImage]) -> str:
+    """Age MAE and model cost for other chip recipes (paddings x mirroring), same detections and shapes."""
+    recipes: list[tuple[tuple[float, ...], bool]] = [
+        ((0.2,), False),
+        ((0.1,), False),
+        ((0.1,), True),
+        ((0.125,), True),
+        ((0.15,), True),
+        ((0.2,), True),
+        ((0.1, 0.15), True),
+        ((0.1, 0.15, 0.2), True),
+    ]
+    paddings = sorted({pad for pads, _ in recipes for pad in pads})
+    truth: list[int] = []
+    chips_by_padding: dict[float, list[np.ndarray]] = {pad: [] for pad in paddings}
+    for item in images:
+        image = load_image(item.path)
+        faces = analyzer.detect([image])[0]
+        if not faces or item.age is None:
+            continue
+        rgb = to_rgb(image)
+        shapes = analyzer.aligner.shapes(rgb, [max(faces, key=lambda face: face.area)])
+        for pad in paddings:
+            chips_by_padding[pad].append(analyzer.aligner.chips(rgb, shapes, AGE_CHIP_SIZE, pad))
+        truth.append(item.age)
+    true_ages = np.asarray(truth, dtype=np.float64)
+    rows = []
+    for pads, mirror in recipes:
+        views = age_chip_views([np.concatenate(chips_by_padding[pad]) for pad in pads], mirror=mirror)
+        started = time.perf_counter()
+        estimates = analyzer.age_estimator.estimate(views)
+        elapsed_ms = 1000.0 * (time.perf_counter() - started) / len(estimates)
+        error = np.asarray([e.age for e in estimates], dtype=np.float64) - true_ages
+        minors = true_ages < 18
+        worst = max(e.expected_age for e, minor in zip(estimates, minors, strict=True) if minor)
+        rows.append(
+            [
+                "/".join(f"{p:g}" for p in pads) + (" + mirror" if mirror else ""),
+                str(views.shape[1]),
+                f"{np.abs(error).mean():.2f}",
+                f"{error.mean():+.2f}",
+                f"{worst:.1f}",
+                f"{elapsed_ms:.2f}",
+            ]
+        )
+    return format_table(
+        ["paddings", "views", "MAE", "bias", "worst minor's estimate", "model ms/face (batched)"], rows
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.accuracy", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--faces-dev", type=Path, default=None, help="labelled dev photos (default: shared)")
+    parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads")
+    parser.add_argument("--batch", type=int, default=8, help="images per analyze() call")
+    parser.add_argument("--age-recipes", action="store_true", help="also compare age chip recipes")
+    args = parser.parse_args(argv)
+
+    dev = load_faces_dev(args.faces_dev)
+    analyzer = load_face_analyzer(ModelConfig(intra_op_threads=args.threads))
+    images = list(dev.images)
+    faces = analyze_all(analyzer, images, args.batch)
+    threshold = DEFAULT_MATCH_DISTANCE
+
+    print(f"# Detection ({dev.root})\n{detection_table(images, faces)}\n")
+    descriptors = collect_descriptors(images, faces)
+    print(
+        f"# Verification (identity photos' largest face + every group face)\n"
+        f"{verification_tables(descriptors, threshold)}\n"
+    )
+    print(
+        f"# Identification (each identity photo against all other identity photos)\n"
+        f"{identification_table(descriptors, threshold)}\n"
+    )
+
+    ages: list[tuple[int, AgeEstimate]] = []
+    missing = 0
+    for item in dev.of_kind("age"):
+        face = largest_face(faces[item.path.name])
+        if face is None or face.age is None or item.age is None:
+            missing += 1
+            continue
+        ages.append((item.age, face.age))
+    print(f"# Age (largest face of each age photo)\n{age_tables(ages, missing)}\n")
+    print(f"# Minor policy alternatives\n{policy_alternatives(ages)}\n")
+    if args.age_recipes:
+        print(f"# Age chip recipes\n{age_recipes(analyzer, dev.of_kind('age'))}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

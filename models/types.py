@@ -1,0 +1,37 @@
+"""Plain results passed between model runners and to callers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class DetectedFace:
+    """One face in original-image pixel coordinates."""
+
+    box: np.ndarray  # float32 [4]: x1, y1, x2, y2
+    landmarks: np.ndarray  # float32 [5, 2]: YuNet order (right eye, left eye, nose, right/left mouth corner)
+    score: float
+
+    @property
+    def area(self) -> float:
+        return float(max(0.0, self.box[2] - self.box[0]) * max(0.0, self.box[3] - self.box[1]))
+
+
+@dataclass(frozen=True)
+class AgeEstimate:
+    age: int  # point estimate in years (rounded expectation)
+    expected_age: float
+    p_under_18: float  # from the predicted distribution
+    p_under_21: float
+    under_18: int  # interface value: 0, 50 or 100
+    under_21: int
+
+
+@dataclass(frozen=True)
+class AnalyzedFace:
+    detection: DetectedFace
+    embedding: np.ndarray | None  # float32 [128], dlib descriptor (not L2-normalised)
+    age: AgeEstimate | None

@@ -1,0 +1,66 @@
+"""The one mapping from errors to HTTP responses. Every failure uses the same envelope:
+{"status": false, "message": "...", "errors": {"field": "problem", ...}}; clients never see a traceback."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from serve_app.domain import errors as domain
+
+logger = logging.getLogger(__name__)
+
+STATUS_BY_ERROR: tuple[tuple[type[domain.ServiceError], int], ...] = (
+    (domain.ValidationFailed, 422),
+    (domain.UnsupportedMedia, 415),
+    (domain.PayloadTooLarge, 413),
+    (domain.AuthenticationFailed, 401),
+    (domain.RateLimited, 429),
+    (domain.NotFound, 404),
+    (domain.ProofExpired, 410),
+    (domain.BackendUnavailable, 503),
+    (domain.ModelUnavailable, 503),
+)
+
+
+def error_body(message: str, errors: dict[str, str] | None = None) -> dict[str, Any]:
+    return {"status": False, "message": message, "errors": errors or {}}
+
+
+def status_for(error: domain.ServiceError) -> int:
+    for error_type, status in STATUS_BY_ERROR:
+        if isinstance(error, error_type):
+            return status
+    return 500
+
+
+async def service_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, domain.ServiceError)
+    status = status_for(exc)
+    headers: dict[str, str] = {}
+    if isinstance(exc, domain.RateLimited):
+        headers["Retry-After"] = str(exc.retry_after_s)
+    elif isinstance(exc, domain.AuthenticationFailed):
+        headers["WWW-Authenticate"] = 'Bearer realm="facesearch"'
+    elif isinstance(exc, domain.BackendUnavailable):
+        headers["Retry-After"] = "5"
+    if status >= 500:
+        logger.warning("%s %s -> %d: %s", request.method, request.url.path, status, exc.message)
+    return JSONResponse(error_body(exc.message, exc.details), status_code=status, headers=headers)
+
+
+async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    messages = {404: "No such endpoint.", 405: "Method not allowed for this endpoint."}
+    message = messages.get(exc.status_code, str(exc.detail))
+    return JSONResponse(error_body(message), status_code=exc.status_code, headers=exc.headers)
+
+
+async def unexpected_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    # Log the traceback for operators; the client gets a generic message only.
+    logger.exception("unhandled error on %s %s", request.method, request.url.path)
+    return JSONResponse(error_body("Internal server error."), status_code=500)

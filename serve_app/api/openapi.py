@@ -1,0 +1,284 @@
+"""OpenAPI documentation of the bodies the handlers parse themselves (JSON and multipart side by side), the
+response shapes, and the decisions taken where the interface says "not shown"."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_BOOL_01 = {
+    "oneOf": [
+        {"type": "boolean"},
+        {"type": "integer", "enum": [0, 1]},
+        {"type": "string", "enum": ["0", "1", "true", "false"]},
+    ]
+}
+
+
+def _object(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    return {"type": "object", "properties": properties, "required": required}
+
+
+def _envelope(data: dict[str, Any]) -> dict[str, Any]:
+    return _object(
+        {
+            "status": {"type": "boolean", "const": True},
+            "message": {"type": "string"},
+            "result": _object({"data": data}, ["data"]),
+        },
+        ["status", "message", "result"],
+    )
+
+
+ERROR_ENVELOPE = _object(
+    {
+        "status": {"type": "boolean", "const": False},
+        "message": {"type": "string"},
+        "errors": {"type": "object", "additionalProperties": {"type": "string"}},
+    },
+    ["status", "message", "errors"],
+)
+
+_FACE_SEARCH_FIELDS = {
+    "type": {"type": "string", "enum": ["face_search"]},
+    "client_reference": {"type": "string", "minLength": 5, "maxLength": 255},
+    "allow_override": _BOOL_01,
+    "enroll_face": _BOOL_01,
+}
+
+REQUEST_BODIES: dict[str, dict[str, Any]] = {
+    "token": {
+        "requestBody": {
+            "required": True,
+            "content": {
+                media: {
+                    "schema": _object(
+                        {"client_id": {"type": "string"}, "client_secret": {"type": "string"}},
+                        ["client_id", "client_secret"],
+                    )
+                }
+                for media in ("application/json", "application/x-www-form-urlencoded")
+            },
+        }
+    },
+    "face_search": {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {
+                    "schema": _object(
+                        {
+                            **_FACE_SEARCH_FIELDS,
+                            "file": {
+                                "type": "string",
+                                "pattern": "^data:image/(jpeg|jpg|png);base64,",
+                                "description": "Base64 data URI",
+                            },
+                        },
+                        ["type", "file"],
+                    )
+                },
+                "multipart/form-data": {
+                    "schema": _object(
+                        {
+                            **_FACE_SEARCH_FIELDS,
+                            "file": {
+                                "type": "string",
+                                "format": "binary",
+                                "description": ".jpg, .jpeg or .png",
+                            },
+                        },
+                        ["type", "file"],
+                    )
+                },
+            },
+        }
+    },
+    "age": {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "multipart/form-data": {
+                    "schema": _object(
+                        {
+                            "type": {"type": "string", "enum": ["age_estimation"]},
+                            "file": {
+                                "type": "string",
+                                "format": "binary",
+                                "description": ".jpg, .jpeg or .png",
+                            },
+                            "enroll_face": _BOOL_01,
+                            "wait_for_result": {"type": "string", "enum": ["0", "1"]},
+                        },
+                        ["type", "file"],
+                    )
+                }
+            },
+        }
+    },
+    "result": {
+        "requestBody": {
+            "required": True,
+            "content": {
+                media: {"schema": _object({"reference_id": {"type": "string"}}, ["reference_id"])}
+                for media in ("application/json", "application/x-www-form-urlencoded")
+            },
+        }
+    },
+}
+
+_ERRORS = {
+    "401": {
+        "description": "Missing, invalid, expired or revoked credentials",
+        "content": {"application/json": {"schema": ERROR_ENVELOPE}},
+    },
+    "413": {
+        "description": "Body or image over the size / pixel limit",
+        "content": {"application/json": {"schema": ERROR_ENVELOPE}},
+    },
+    "415": {
+        "description": "Wrong Content-Type or not a JPEG/PNG image",
+        "content": {"application/json": {"schema": ERROR_ENVELOPE}},
+    },
+    "422": {
+        "description": "A field is missing or breaks its rule",
+        "content": {"application/json": {"schema": ERROR_ENVELOPE}},
+    },
+    "429": {
+        "description": "Rate limited; see Retry-After",
+        "content": {"application/json": {"schema": ERROR_ENVELOPE}},
+    },
+    "503": {
+        "description": "Redis, Milvus or a model is unavailable; retry later",
+        "content": {"application/json": {"schema": ERROR_ENVELOPE}},
+    },
+}
+
+_AGE_DATA = _object(
+    {
+        "reference_id": {"type": "string"},
+        "age": {"type": ["integer", "null"]},
+        "under_18": {"type": ["integer", "null"], "enum": [0, 50, 100, None]},
+        "under_21": {"type": ["integer", "null"], "enum": [0, 50, 100, None]},
+    },
+    ["reference_id", "age", "under_18", "under_21"],
+)
+_FACE_DATA = _object(
+    {
+        "service_reference_id": {"type": "string"},
+        "client_reference": {"type": "string"},
+        "face_search_response": _object(
+            {
+                "result": _object(
+                    {
+                        "matched_faces": {
+                            "type": "array",
+                            "description": "[proof_id, score 0..1, proof URL (15 min), client_reference], "
+                            "best first; "
+                            "[] when none",
+                            "items": {
+                                "type": "array",
+                                "prefixItems": [
+                                    {"type": "string"},
+                                    {"type": "number"},
+                                    {"type": "string"},
+                                    {"type": "string"},
+                                ],
+                            },
+                        },
+                        "is_face_found": {"type": "boolean"},
+                    },
+                    ["matched_faces", "is_face_found"],
+                )
+            },
+            ["result"],
+        ),
+    },
+    ["service_reference_id", "client_reference", "face_search_response"],
+)
+_PENDING = {
+    "description": "Not final yet: poll /result again after Retry-After seconds",
+    "content": {
+        "application/json": {
+            "schema": _envelope(
+                _object(
+                    {
+                        "reference_id": {"type": "string"},
+                        "state": {"type": "string", "enum": ["queued", "processing"]},
+                    },
+                    ["reference_id", "state"],
+                )
+            )
+        }
+    },
+}
+
+RESPONSES: dict[str, dict[int | str, dict[str, Any]]] = {
+    "token": {
+        200: {
+            "description": "Access token",
+            "content": {
+                "application/json": {
+                    "schema": _envelope(
+                        _object(
+                            {
+                                "token": {"type": "string"},
+                                "token_type": {"type": "string"},
+                                "expires_in": {"type": "integer"},
+                            },
+                            ["token", "expires_in"],
+                        )
+                    )
+                }
+            },
+        },
+        **{code: _ERRORS[code] for code in ("415", "422", "401", "429", "503")},
+    },
+    "create": {
+        200: {
+            "description": "Transaction created",
+            "content": {
+                "application/json": {
+                    "schema": _envelope(_object({"reference_id": {"type": "string"}}, ["reference_id"]))
+                }
+            },
+        },
+        **_ERRORS,
+    },
+    "age_create": {
+        200: {
+            "description": "Transaction created; with wait_for_result=1 the data also carries the age result",
+            "content": {"application/json": {"schema": _envelope(_AGE_DATA)}},
+        },
+        202: _PENDING,
+        **_ERRORS,
+    },
+    "result": {
+        200: {
+            "description": "Final result (face search or age estimation data)",
+            "content": {"application/json": {"schema": _envelope({"oneOf": [_FACE_DATA, _AGE_DATA]})}},
+        },
+        202: _PENDING,
+        **{code: _ERRORS[code] for code in ("401", "415", "422", "429", "503")},
+    },
+    "proof": {
+        200: {"description": "The enrolled image", "content": {"image/jpeg": {}, "image/png": {}}},
+        404: {
+            "description": "Invalid or tampered token, or the face was replaced",
+            "content": {"application/json": {"schema": ERROR_ENVELOPE}},
+        },
+        410: {
+            "description": "The proof URL expired (15 minutes after issue)",
+            "content": {"application/json": {"schema": ERROR_ENVELOPE}},
+        },
+    },
+}
+
+
+def describe() -> str:
+    return (
+        "Face search (1:N) and age estimation. Create calls return a reference_id; POST /result returns the "
+        "outcome. Authenticate with `Authorization: Bearer <token>` from /request-access-token, or with the "
+        "`Client-Secret: <client secret>` header. Every error uses the envelope "
+        '{"status": false, "message": ..., "errors": {...}}. A result that is not final yet answers 202 with '
+        "`state` and a Retry-After header. The probe of a transaction is the largest face in the image."
+    )

@@ -1,0 +1,103 @@
+"""Signed tokens: access tokens for clients and proof tokens inside proof-image URLs.
+
+Both are HS256 JWTs, each signed with its own key derived from the service secret, so a proof token can
+never pass as an access token or the reverse. The algorithm is pinned on decode: `alg: none` and tokens
+signed with any other key are rejected.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+import uuid
+from dataclasses import dataclass
+
+import jwt
+
+from serve_app.domain.errors import AuthenticationFailed, NotFound, ProofExpired
+
+_ISSUER = "facesearch"
+_ALGORITHM = "HS256"
+
+
+def _derive_key(secret: str, purpose: str) -> bytes:
+    return hmac.new(secret.encode(), purpose.encode(), hashlib.sha256).digest()
+
+
+@dataclass(frozen=True)
+class AccessClaims:
+    client_id: str
+    expires_at: int
+
+
+@dataclass(frozen=True)
+class ProofClaims:
+    tenant_id: str
+    face_id: str
+    expires_at: int
+
+
+class TokenSigner:
+    def __init__(self, secret: str, access_ttl_s: int, proof_ttl_s: int) -> None:
+        self._access_key = _derive_key(secret, "access-token")
+        self._proof_key = _derive_key(secret, "proof-token")
+        self.access_ttl_s = access_ttl_s
+        self.proof_ttl_s = proof_ttl_s
+
+    def issue_access(self, client_id: str, now: float | None = None) -> tuple[str, int]:
+        issued = int(now if now is not None else time.time())
+        claims = {
+            "iss": _ISSUER,
+            "sub": client_id,
+            "typ": "access",
+            "iat": issued,
+            "exp": issued + self.access_ttl_s,
+            "jti": uuid.uuid4().hex,
+        }
+        return jwt.encode(claims, self._access_key, algorithm=_ALGORITHM), self.access_ttl_s
+
+    def verify_access(self, token: str) -> AccessClaims:
+        try:
+            claims = jwt.decode(
+                token,
+                self._access_key,
+                algorithms=[_ALGORITHM],
+                issuer=_ISSUER,
+                options={"require": ["exp", "iat", "sub", "iss"]},
+            )
+        except jwt.ExpiredSignatureError:
+            raise AuthenticationFailed("The access token has expired; request a new one.") from None
+        except jwt.InvalidTokenError:
+            raise AuthenticationFailed("The access token is invalid.") from None
+        if claims.get("typ") != "access":
+            raise AuthenticationFailed("The access token is invalid.")
+        return AccessClaims(client_id=str(claims["sub"]), expires_at=int(claims["exp"]))
+
+    def issue_proof(self, tenant_id: str, face_id: str, now: float | None = None) -> str:
+        issued = int(now if now is not None else time.time())
+        claims = {
+            "typ": "proof",
+            "ten": tenant_id,
+            "fid": face_id,
+            "iat": issued,
+            "exp": issued + self.proof_ttl_s,
+        }
+        return jwt.encode(claims, self._proof_key, algorithm=_ALGORITHM)
+
+    def verify_proof(self, token: str) -> ProofClaims:
+        try:
+            claims = jwt.decode(
+                token, self._proof_key, algorithms=[_ALGORITHM], options={"require": ["exp", "ten", "fid"]}
+            )
+        except jwt.ExpiredSignatureError:
+            raise ProofExpired(
+                "This proof URL has expired; request the result again for a fresh URL."
+            ) from None
+        except jwt.InvalidTokenError:
+            raise NotFound("No proof image exists for this URL.") from None
+        if claims.get("typ") != "proof":
+            raise NotFound("No proof image exists for this URL.")
+        return ProofClaims(
+            tenant_id=str(claims["ten"]), face_id=str(claims["fid"]), expires_at=int(claims["exp"])
+        )

@@ -1,0 +1,137 @@
+"""Command line: start the service on this machine, and manage API clients.
+
+facesearch start [--config config/serve.yaml] [--port 8000]
+facesearch clients create NAME | list | revoke CLIENT_ID
+facesearch reconcile
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from serve_app.settings import Settings
+
+logger = logging.getLogger("facesearch")
+
+LOOPBACK_ENV = {
+    # Keep Ray on the loopback interface of a single machine (see ../shared/notes/serving.md).
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+}
+
+
+def load_serve_config(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(builder args, http options) from a Serve config YAML, with its per-deployment settings folded into
+    args["deployment_options"] so the launcher applies exactly what `serve run` would."""
+    document = yaml.safe_load(path.read_text())
+    application = document["applications"][0]
+    args = dict(application.get("args") or {})
+    deployment_options: dict[str, dict[str, Any]] = {}
+    for entry in application.get("deployments", []):
+        entry = dict(entry)
+        deployment_options[entry.pop("name")] = entry
+    args["deployment_options"] = deployment_options
+    return args, dict(document.get("http_options") or {})
+
+
+def start(config: Path, host: str, port: int | None) -> int:
+    os.environ.update(LOOPBACK_ENV)
+    import ray
+    from ray import serve
+
+    from serve_app.graph import build_app, resolve_backends
+
+    settings = resolve_backends(Settings.from_env())
+    args, http_options = load_serve_config(config)
+    ray.init(
+        _node_ip_address="127.0.0.1", include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True
+    )
+    serve.start(http_options={"host": host, "port": port or int(http_options.get("port", 8000))})
+    serve.run(build_app(args, settings=settings), name="facesearch", route_prefix="/")
+    print(f"facesearch is serving on http://{host}:{port or http_options.get('port', 8000)}", flush=True)
+    stopped = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stopped.set())
+    stopped.wait()
+    serve.shutdown()
+    ray.shutdown()
+    return 0
+
+
+async def _clients(settings: Settings, action: str, value: str | None) -> int:
+    from serve_app.wiring import redis_stores
+
+    clients = redis_stores(settings).clients
+    if action == "create":
+        info, secret = await clients.create(value or "client")
+        print(json.dumps({"client_id": info.client_id, "client_secret": secret, "name": info.name}))
+        print(
+            "Store the secret now: it is kept only as a keyed hash and cannot be shown again.",
+            file=sys.stderr,
+        )
+    elif action == "list":
+        for info in await clients.list():
+            print(json.dumps(dataclasses.asdict(info)))
+    elif action == "revoke":
+        if not value:
+            print("revoke needs a CLIENT_ID", file=sys.stderr)
+            return 2
+        if not await clients.revoke(value):
+            print(f"no client {value}", file=sys.stderr)
+            return 1
+        print(f"revoked {value}")
+    return 0
+
+
+async def _reconcile(settings: Settings) -> int:
+    from serve_app.pipelines.reconcile import reconcile
+    from serve_app.stores.blobs import LocalBlobStore
+    from serve_app.wiring import gallery_store, redis_stores
+
+    report = await reconcile(
+        redis_stores(settings).records, gallery_store(settings), LocalBlobStore(settings.blob_dir)
+    )
+    print(json.dumps(dataclasses.asdict(report)))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="facesearch", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    start_parser = commands.add_parser(
+        "start", help="start Redis/Milvus (if not configured), Ray and the app"
+    )
+    start_parser.add_argument("--config", type=Path, default=Path("config/serve.yaml"))
+    start_parser.add_argument("--host", default="127.0.0.1")
+    start_parser.add_argument("--port", type=int, default=None)
+    clients_parser = commands.add_parser("clients", help="manage API clients")
+    clients_parser.add_argument("action", choices=("create", "list", "revoke"))
+    clients_parser.add_argument("value", nargs="?", help="name (create) or client id (revoke)")
+    commands.add_parser("reconcile", help="repair faces present in only one of Redis and Milvus")
+    options = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if options.command == "start":
+        return start(options.config, options.host, options.port)
+    from serve_app.graph import resolve_backends
+
+    settings = resolve_backends(Settings.from_env())
+    if options.command == "clients":
+        return asyncio.run(_clients(settings, options.action, options.value))
+    return asyncio.run(_reconcile(settings))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""Model deployments. Each wraps model runners from models/ and batches calls across requests.
+
+CPU default: one FaceAnalysisModel (detect + align + embed + age in one replica) because on a 2-core box
+every deployment hop costs about as much CPU as a model. GPU config: FaceDetectorModel, FaceEmbedderModel
+and AgeModel as separate deployments with fractional GPUs so each scales on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from ray import serve
+
+from models.analyzer import FaceAnalyzer, ModelConfig, load_face_analyzer
+from models.types import AnalyzedFace, DetectedFace
+from serve_app.deployments.batching import BatchConfig
+from serve_app.deployments.metrics import ModelMetrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AnalysisRequest:
+    image: np.ndarray  # uint8 RGB
+    embed: bool
+    estimate_age: bool
+
+
+def _strip(face: AnalyzedFace, request: AnalysisRequest) -> AnalyzedFace:
+    return AnalyzedFace(
+        detection=face.detection,
+        embedding=face.embedding if request.embed else None,
+        age=face.age if request.estimate_age else None,
+    )
+
+
+def _apply_batch_config(config: BatchConfig, *methods: Any) -> None:
+    for method in methods:
+        method.set_max_batch_size(config.max_batch_size)
+        method.set_batch_wait_timeout_s(config.batch_wait_timeout_s)
+
+
+def _in_runs(chip_sets: Sequence[np.ndarray], run_size: int, infer: Callable[[np.ndarray], Any]) -> list[Any]:
+    """Concatenate the chips of all requests, run the model in runs of at most run_size faces, and split the
+    outputs back per request: batches are sized by faces, not by requests."""
+    counts = [len(chips) for chips in chip_sets]
+    if sum(counts) == 0:
+        return [infer(chip_set) for chip_set in chip_sets]
+    stacked = np.concatenate([chips for chips in chip_sets if len(chips)], axis=0)
+    outputs: list[Any] = []
+    for start in range(0, len(stacked), run_size):
+        part = infer(stacked[start : start + run_size])
+        outputs.extend(list(part))
+    results: list[Any] = []
+    offset = 0
+    for count in counts:
+        results.append(outputs[offset : offset + count])
+        offset += count
+    return results
+
+
+@serve.deployment(max_ongoing_requests=64, health_check_period_s=10)
+class FaceAnalysisModel:
+    """Detection, alignment, descriptor and age in one process, batched over images."""
+
+    def __init__(self, model_config: dict[str, Any] | None = None) -> None:
+        self._analyzer: FaceAnalyzer = load_face_analyzer(ModelConfig.from_dict(model_config or {}))
+        self._metrics = ModelMetrics("analysis")
+        _apply_batch_config(BatchConfig(), self.analyze_batch)
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        _apply_batch_config(BatchConfig.from_user_config(user_config), self.analyze_batch)
+
+    async def analyze(self, request: AnalysisRequest) -> list[AnalyzedFace]:
+        return await self.analyze_batch(request)
+
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005)
+    async def analyze_batch(self, requests: list[AnalysisRequest]) -> list[list[AnalyzedFace]]:
+        started = time.perf_counter()
+        embed = any(request.embed for request in requests)
+        estimate_age = any(request.estimate_age for request in requests)
+        # One detector run over all images, one descriptor run and one age run over all their faces.
+        per_image = self._analyzer.analyze(
+            [request.image for request in requests], embed=embed, estimate_age=estimate_age
+        )
+        faces = sum(len(found) for found in per_image)
+        self._metrics.observe_batch(len(requests), faces, time.perf_counter() - started)
+        return [
+            [_strip(face, request) for face in found]
+            for found, request in zip(per_image, requests, strict=True)
+        ]
+
+    def check_health(self) -> None:
+        self._analyzer.check()
+
+
+@serve.deployment(max_ongoing_requests=64, health_check_period_s=10)
+class FaceDetectorModel:
+    """YuNet over letterboxed images (the worker letterboxes, so only fixed-size arrays cross the handle)."""
+
+    def __init__(self, model_config: dict[str, Any] | None = None) -> None:
+        config = ModelConfig.from_dict(model_config or {})
+        self._detector = config.load_detector()
+        self._metrics = ModelMetrics("detector")
+        _apply_batch_config(BatchConfig(), self.detect)
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        _apply_batch_config(BatchConfig.from_user_config(user_config), self.detect)
+
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005)
+    async def detect(self, letterboxed: list[Any]) -> list[list[DetectedFace]]:
+        started = time.perf_counter()
+        found = self._detector.detect_prepared(letterboxed)
+        self._metrics.observe_batch(len(letterboxed), sum(map(len, found)), time.perf_counter() - started)
+        return found
+
+
+@serve.deployment(max_ongoing_requests=64, health_check_period_s=10)
+class FaceEmbedderModel:
+    """dlib ResNet descriptors for 150 px chips, batched by faces."""
+
+    def __init__(self, model_config: dict[str, Any] | None = None) -> None:
+        config = ModelConfig.from_dict(model_config or {})
+        self._embedder = config.load_embedder()
+        self._batch = BatchConfig()
+        self._metrics = ModelMetrics("embedder")
+        _apply_batch_config(self._batch, self.embed)
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        self._batch = BatchConfig.from_user_config(user_config)
+        _apply_batch_config(self._batch, self.embed)
+
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005)
+    async def embed(self, chip_sets: list[np.ndarray]) -> list[np.ndarray]:
+        started = time.perf_counter()
+        rows = _in_runs(chip_sets, self._batch.max_faces_per_run, self._embedder.embed)
+        self._metrics.observe_batch(len(chip_sets), sum(map(len, chip_sets)), time.perf_counter() - started)
+        return [np.asarray(part, dtype=np.float32).reshape(-1, 128) for part in rows]
+
+
+@serve.deployment(max_ongoing_requests=64, health_check_period_s=10)
+class AgeModel:
+    """Age estimates for 64 px chip views, batched by faces."""
+
+    def __init__(self, model_config: dict[str, Any] | None = None) -> None:
+        config = ModelConfig.from_dict(model_config or {})
+        self._estimator = config.load_age_estimator()
+        self._batch = BatchConfig()
+        self._metrics = ModelMetrics("age")
+        _apply_batch_config(self._batch, self.estimate)
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        self._batch = BatchConfig.from_user_config(user_config)
+        _apply_batch_config(self._batch, self.estimate)
+
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005)
+    async def estimate(self, chip_sets: list[np.ndarray]) -> list[list[Any]]:
+        started = time.perf_counter()
+        results = _in_runs(chip_sets, self._batch.max_faces_per_run, self._estimator.estimate)
+        self._metrics.observe_batch(len(chip_sets), sum(map(len, chip_sets)), time.perf_counter() - started)
+        return results

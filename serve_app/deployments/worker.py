@@ -1,0 +1,113 @@
+"""The transaction worker deployment: runs the queue consumer loop in each replica."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import uuid
+from typing import Any
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from models.types import AnalyzedFace
+from serve_app.deployments.analysis import SplitAnalysis
+from serve_app.deployments.metrics import WorkerMetrics
+from serve_app.deployments.models import AnalysisRequest
+from serve_app.pipelines.analysis import FaceAnalysisBackend
+from serve_app.pipelines.reconcile import reconcile
+from serve_app.settings import Settings
+from serve_app.stores.blobs import LocalBlobStore
+from serve_app.wiring import build_worker, gallery_store, worker_policy
+
+logger = logging.getLogger(__name__)
+RECONCILE_EVERY_S = 600.0
+
+
+class FusedAnalysis:
+    """Analysis by the single FaceAnalysisModel deployment: one hop, the decoded image crosses it."""
+
+    def __init__(self, handle: DeploymentHandle) -> None:
+        self._handle = handle
+
+    async def analyze(self, image: Any, *, embed: bool, estimate_age: bool) -> list[AnalyzedFace]:
+        faces: list[AnalyzedFace] = await self._handle.analyze.remote(
+            AnalysisRequest(image, embed, estimate_age)
+        )
+        return faces
+
+
+@serve.deployment(num_replicas=1, max_ongoing_requests=8, health_check_period_s=10)
+class TransactionWorker:
+    def __init__(
+        self,
+        settings: Settings,
+        analysis_model: DeploymentHandle | None = None,
+        detector: DeploymentHandle | None = None,
+        embedder: DeploymentHandle | None = None,
+        age: DeploymentHandle | None = None,
+        model_config: dict[str, Any] | None = None,
+    ) -> None:
+        analysis: FaceAnalysisBackend
+        if analysis_model is not None:
+            analysis = FusedAnalysis(analysis_model)
+        elif detector is not None and embedder is not None and age is not None:
+            analysis = SplitAnalysis(detector, embedder, age, model_config or {})
+        else:
+            raise ValueError("TransactionWorker needs either analysis_model or detector, embedder and age")
+        self._settings = settings
+        self._consumer = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self._worker, self._stores = build_worker(settings, analysis, self._consumer)
+        self._metrics = WorkerMetrics()
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        # Serve runs constructors inside the replica's event loop: start consuming right away.
+        self._start()
+
+    def _start(self) -> None:
+        self._tasks = [
+            asyncio.get_running_loop().create_task(coroutine)
+            for coroutine in (self._worker.run(self._stop), self._report(), self._reconcile_periodically())
+        ]
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        self._worker.update_policy(worker_policy(self._settings, dict(user_config or {})))
+
+    async def _report(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._metrics.observe_queue(
+                    await self._stores.transactions.depth(),
+                    self._worker.in_flight,
+                    await self._stores.transactions.count_by_state(),
+                )
+            except Exception as error:  # metrics must never stop the worker
+                logger.debug("metrics update failed: %r", error)
+            await asyncio.sleep(5)
+
+    async def _reconcile_periodically(self) -> None:
+        gallery = gallery_store(self._settings)
+        blobs = LocalBlobStore(self._settings.blob_dir)
+        while not self._stop.is_set():
+            await asyncio.sleep(RECONCILE_EVERY_S)
+            try:
+                report = await reconcile(self._stores.records, gallery, blobs)
+                logger.info("reconciliation: %s", report)
+            except Exception as error:  # a backend outage: try again next round
+                logger.warning("reconciliation failed: %r", error)
+
+    async def check_health(self) -> None:
+        # A replica whose consumer loop died is unhealthy: Serve replaces it, and its claimed entries are
+        # reclaimed by the other workers.
+        loop_task = self._tasks[0]
+        if loop_task.done():
+            raise RuntimeError(f"worker loop stopped: {loop_task.exception()!r}")
+
+    async def status(self) -> dict[str, Any]:
+        return {
+            "consumer": self._consumer,
+            "in_flight": self._worker.in_flight,
+            "processed": self._worker.processed,
+        }

@@ -1,0 +1,1 @@
+"""Turning uploaded bytes into validated RGB arrays."""

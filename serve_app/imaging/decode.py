@@ -1,0 +1,95 @@
+"""Validate and decode uploaded images.
+
+The file's magic bytes decide its type, never its name or declared content type, so a GIF named .png or a
+text file named .jpg is refused before any decoder runs. Decoding honours EXIF orientation and converts
+grayscale, palette, RGBA, CMYK and 16-bit images to 8-bit RGB.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from serve_app.domain.errors import PayloadTooLarge, UnsupportedMedia, ValidationFailed
+
+_SIGNATURES: tuple[tuple[bytes, str, str], ...] = (
+    (b"\xff\xd8\xff", "jpeg", "image/jpeg"),
+    (b"\x89PNG\r\n\x1a\n", "png", "image/png"),
+)
+ACCEPTED_EXTENSIONS = (".jpg", ".jpeg", ".png")
+
+
+@dataclass(frozen=True)
+class ImageFormat:
+    name: str  # jpeg | png
+    content_type: str
+
+
+@dataclass(frozen=True)
+class DecodedImage:
+    pixels: np.ndarray  # uint8 [H, W, 3] RGB, EXIF orientation applied
+    format: ImageFormat
+
+
+def sniff_format(data: bytes) -> ImageFormat:
+    if not data:
+        raise ValidationFailed("The image file is empty.", {"file": "empty file"})
+    for signature, name, content_type in _SIGNATURES:
+        if data.startswith(signature):
+            return ImageFormat(name, content_type)
+    raise UnsupportedMedia(
+        "The file is not a JPEG or PNG image.", {"file": "only .jpg, .jpeg and .png images are accepted"}
+    )
+
+
+def decode_image(data: bytes, max_pixels: int, max_side: int | None = None) -> DecodedImage:
+    """Decode fully (a truncated file fails here, not later in a worker) and return RGB pixels.
+
+    max_side, when given, downscales the result so its longest side is at most that many pixels.
+    """
+    image_format = sniff_format(data)
+    try:
+        with warnings.catch_warnings():
+            # Pillow warns, then errors, on decompression bombs; we enforce our own limit below instead.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+            width, height = image.size
+            if width * height > max_pixels:
+                raise PayloadTooLarge(
+                    f"The image has {width}x{height} pixels; the limit is {max_pixels} pixels.",
+                    {"file": "image too large"},
+                )
+            if image.format not in ("JPEG", "PNG"):
+                raise UnsupportedMedia("The file is not a JPEG or PNG image.", {"file": "unsupported format"})
+            image.load()
+    except (PayloadTooLarge, UnsupportedMedia):
+        raise
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
+        raise ValidationFailed(
+            "The image could not be decoded (corrupt or truncated file).",
+            {"file": "corrupt or truncated image"},
+        ) from error
+    image = ImageOps.exif_transpose(image) or image
+    rgb = _to_rgb(image)
+    if max_side is not None and max(rgb.size) > max_side:
+        rgb.thumbnail((max_side, max_side), Image.Resampling.BILINEAR)
+    return DecodedImage(pixels=np.asarray(rgb, dtype=np.uint8), format=image_format)
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
+        # 16-bit grayscale: scale to 8 bits rather than clipping, which would turn most photos white.
+        array = np.asarray(image, dtype=np.float64)
+        peak = float(array.max()) or 1.0
+        scale = 255.0 / (65535.0 if peak > 255 else 255.0)
+        image = Image.fromarray(np.clip(array * scale, 0, 255).astype(np.uint8), mode="L")
+    elif image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+        # Composite transparency onto white so transparent regions do not become black.
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        image = Image.alpha_composite(background, rgba)
+    return image.convert("RGB")

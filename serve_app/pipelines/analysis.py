@@ -1,0 +1,19 @@
+"""What the pipelines need from the models, whichever process runs them."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from models.types import AnalyzedFace
+
+
+class FaceAnalysisBackend(Protocol):
+    async def analyze(self, image: np.ndarray, *, embed: bool, estimate_age: bool) -> list[AnalyzedFace]:
+        """Faces in one RGB uint8 image with their descriptors and/or age estimates."""
+
+
+def largest_face(faces: list[AnalyzedFace]) -> AnalyzedFace | None:
+    """The probe of a transaction is the largest face in the image (documented in the README)."""
+    return max(faces, key=lambda face: face.detection.area, default=None)

@@ -1,0 +1,53 @@
+"""Repair faces that exist on only one side of Redis (records) and Milvus (vectors).
+
+Enrolment writes the record first and the vector second, and removal deletes the vector first, so:
+- a vector without a record can only be debris of an interrupted removal: delete it;
+- a record without a vector is an enrolment interrupted between its two writes. Its transaction is retried
+  and completes it, so only records older than the grace period are removed (with their proof image).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from serve_app.stores.interfaces import BlobStore, FaceRecordStore, GalleryStore
+
+
+@dataclass(frozen=True)
+class ReconcileReport:
+    records: int
+    vectors: int
+    vectors_removed: int
+    records_removed: int
+    records_in_grace: int
+
+
+async def reconcile(
+    records: FaceRecordStore, gallery: GalleryStore, blobs: BlobStore | None = None, grace_s: float = 600.0
+) -> ReconcileReport:
+    record_ids = await records.all_face_ids()
+    vector_ids = await gallery.all_face_ids()
+    orphan_vectors = vector_ids - record_ids
+    for tenant_id, face_id in sorted(orphan_vectors):
+        await gallery.delete(tenant_id, [face_id])
+    removed = in_grace = 0
+    now = time.time()
+    for tenant_id, face_id in sorted(record_ids - vector_ids):
+        record = await records.get(tenant_id, face_id)
+        if record is None:
+            continue
+        if now - record.created_at < grace_s:
+            in_grace += 1
+            continue
+        await records.delete(tenant_id, face_id)
+        if blobs is not None:
+            await blobs.delete(record.proof_key)
+        removed += 1
+    return ReconcileReport(
+        records=len(record_ids),
+        vectors=len(vector_ids),
+        vectors_removed=len(orphan_vectors),
+        records_removed=removed,
+        records_in_grace=in_grace,
+    )

@@ -1,0 +1,112 @@
+"""The queue consumer: claims transactions, processes them concurrently, acknowledges them when final.
+
+An entry is acknowledged only after its transaction reached a final state, so a worker that dies mid-way
+leaves it pending; any live worker reclaims it after `stale_after_s` and finishes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from serve_app.domain.errors import BackendUnavailable
+from serve_app.pipelines.processing import TransactionProcessor
+from serve_app.stores.interfaces import QueueEntry, TransactionStore, WorkQueue
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerPolicy:
+    concurrency: int = 32
+    stale_after_s: float = 30.0
+    max_deliveries: int = 5
+    claim_block_ms: int = 1000
+    reclaim_every_s: float = 5.0
+    backoff_s: float = 1.0
+
+
+class QueueWorker:
+    def __init__(
+        self,
+        consumer: str,
+        queue: WorkQueue,
+        transactions: TransactionStore,
+        processor: TransactionProcessor,
+        policy: WorkerPolicy,
+    ) -> None:
+        self.consumer = consumer
+        self._queue = queue
+        self._transactions = transactions
+        self._processor = processor
+        self._policy = policy
+        self._in_flight: set[asyncio.Task[None]] = set()
+        self.processed = 0
+
+    def update_policy(self, policy: WorkerPolicy) -> None:
+        """Takes effect on the next claim (Serve's user_config reaches running replicas this way)."""
+        self._policy = policy
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
+        next_reclaim = 0.0
+        while not stop.is_set():
+            try:
+                if loop.time() >= next_reclaim:
+                    next_reclaim = loop.time() + self._policy.reclaim_every_s
+                    await self._start_all(
+                        await self._queue.reclaim_stale(
+                            self.consumer, int(self._policy.stale_after_s * 1000), self._free_slots()
+                        )
+                    )
+                free = self._free_slots()
+                if free == 0:
+                    await asyncio.sleep(0.005)
+                    continue
+                await self._start_all(
+                    await self._queue.claim(self.consumer, free, self._policy.claim_block_ms)
+                )
+            except BackendUnavailable as error:
+                logger.warning("worker %s: %s; retrying", self.consumer, error.message)
+                await asyncio.sleep(self._policy.backoff_s)
+        await self.drain()
+
+    async def drain(self) -> None:
+        if self._in_flight:
+            await asyncio.gather(*self._in_flight, return_exceptions=True)
+
+    def _free_slots(self) -> int:
+        return max(0, self._policy.concurrency - len(self._in_flight))
+
+    async def _start_all(self, entries: list[QueueEntry]) -> None:
+        for entry in entries:
+            task = asyncio.create_task(self._handle(entry))
+            self._in_flight.add(task)
+            task.add_done_callback(self._in_flight.discard)
+
+    async def _handle(self, entry: QueueEntry) -> None:
+        if entry.deliveries > self._policy.max_deliveries:
+            # A poison entry: fail its transaction rather than retry forever.
+            await self._transactions.fail(entry.reference_id, "The transaction could not be processed.")
+            await self._queue.ack([entry.entry_id])
+            return
+        try:
+            await self._processor.process(entry.reference_id)
+        except Exception:
+            # Not acknowledged: it stays pending and is reclaimed and retried after stale_after_s.
+            logger.exception(
+                "worker %s: transaction %s failed; will retry", self.consumer, entry.reference_id
+            )
+            return
+        self.processed += 1
+        try:
+            await self._queue.ack([entry.entry_id])
+        except BackendUnavailable:
+            logger.warning(
+                "worker %s: ack of %s failed; it will be redelivered", self.consumer, entry.entry_id
+            )

@@ -1,0 +1,115 @@
+"""Builds the object graph of one process (stores, services) from Settings. Used by the deployments, the CLI
+and the tests, so each gets the same stores configured the same way."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from models.embedder import MODEL_VERSION
+from models.scoring import DEFAULT_MIN_SCORE
+from serve_app.api.app import ApiServices
+from serve_app.api.tokens import TokenSigner
+from serve_app.pipelines.analysis import FaceAnalysisBackend
+from serve_app.pipelines.auth import ClientAuthenticator
+from serve_app.pipelines.processing import ProcessingPolicy, TransactionProcessor
+from serve_app.pipelines.proofs import ProofService
+from serve_app.pipelines.transactions import TransactionService
+from serve_app.pipelines.worker import QueueWorker, WorkerPolicy
+from serve_app.settings import Settings
+from serve_app.stores.blobs import LocalBlobStore
+from serve_app.stores.milvus_gallery import MilvusGalleryStore
+from serve_app.stores.redis_clients import RedisClientStore
+from serve_app.stores.redis_ratelimit import RedisRateLimiter
+from serve_app.stores.redis_records import RedisFaceRecordStore
+from serve_app.stores.redis_support import connect_redis
+from serve_app.stores.redis_transactions import RedisTransactionStore
+
+
+@dataclass(frozen=True)
+class RedisStores:
+    transactions: RedisTransactionStore
+    records: RedisFaceRecordStore
+    clients: RedisClientStore
+    limiter: RedisRateLimiter
+
+
+def _require(value: str | None, name: str) -> str:
+    if not value:
+        raise RuntimeError(
+            f"{name} is not resolved; the graph builder must start or locate the backend first"
+        )
+    return value
+
+
+def redis_stores(settings: Settings) -> RedisStores:
+    redis = connect_redis(_require(settings.redis_url, "REDIS_URL"))
+    prefix = settings.key_prefix
+    return RedisStores(
+        transactions=RedisTransactionStore(redis, prefix=prefix),
+        records=RedisFaceRecordStore(redis, prefix=prefix),
+        clients=RedisClientStore(redis, pepper=settings.secret_key, prefix=prefix),
+        limiter=RedisRateLimiter(redis, prefix=prefix),
+    )
+
+
+def gallery_store(settings: Settings) -> MilvusGalleryStore:
+    return MilvusGalleryStore(_require(settings.milvus_uri, "MILVUS_URI"), token=settings.milvus_token)
+
+
+def build_api_services(settings: Settings) -> ApiServices:
+    stores = redis_stores(settings)
+    blobs = LocalBlobStore(settings.blob_dir)
+    return ApiServices(
+        transactions=TransactionService(stores.transactions, blobs, settings.max_image_pixels),
+        proofs=ProofService(stores.records, blobs),
+        auth=ClientAuthenticator(
+            stores.clients,
+            stores.limiter,
+            login_failures_per_window=settings.login_failures_per_window,
+            login_window_s=settings.login_window_s,
+            requests_per_minute=settings.requests_per_minute,
+        ),
+        signer=TokenSigner(settings.secret_key, settings.access_token_ttl_s, settings.proof_ttl_s),
+        max_upload_bytes=settings.max_upload_bytes,
+        wait_for_result_timeout_s=settings.wait_for_result_timeout_s,
+        public_base_url=settings.public_base_url,
+    )
+
+
+def build_processor(settings: Settings, analysis: FaceAnalysisBackend) -> TransactionProcessor:
+    stores = redis_stores(settings)
+    policy = ProcessingPolicy(
+        model_version=MODEL_VERSION,
+        max_matches=settings.max_matches,
+        min_score=settings.match_min_score if settings.match_min_score is not None else DEFAULT_MIN_SCORE,
+        max_image_pixels=settings.max_image_pixels,
+        analysis_max_side=settings.analysis_max_side,
+    )
+    return TransactionProcessor(
+        stores.transactions,
+        stores.records,
+        gallery_store(settings),
+        LocalBlobStore(settings.blob_dir),
+        analysis,
+        policy,
+    )
+
+
+def worker_policy(settings: Settings, overrides: dict[str, Any]) -> WorkerPolicy:
+    return WorkerPolicy(
+        concurrency=int(overrides.get("concurrency", settings.worker_concurrency)),
+        stale_after_s=float(overrides.get("stale_after_s", settings.stale_after_s)),
+        max_deliveries=int(overrides.get("max_deliveries", settings.max_deliveries)),
+    )
+
+
+def build_worker(
+    settings: Settings, analysis: FaceAnalysisBackend, consumer: str
+) -> tuple[QueueWorker, RedisStores]:
+    stores = redis_stores(settings)
+    processor = build_processor(settings, analysis)
+    worker = QueueWorker(
+        consumer, stores.transactions, stores.transactions, processor, worker_policy(settings, {})
+    )
+    return worker, stores

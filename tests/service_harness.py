@@ -1,0 +1,140 @@
+"""Starts the real application for tests and benchmarks: embedded redis-server and milvus-lite on
+127.0.0.1, a local Ray bound to 127.0.0.1, and the Serve app on a free loopback port."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from serve_app.embedded import EmbeddedServices
+
+from serve_app.settings import Settings
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@dataclass
+class Client:
+    client_id: str
+    client_secret: str
+
+
+@dataclass
+class RunningService:
+    base_url: str
+    settings: Settings
+    embedded: EmbeddedServices
+    data_dir: Path
+
+    def http(self, timeout: float = 30.0) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, timeout=timeout)
+
+    def new_client(self, name: str = "tests") -> Client:
+        from serve_app.wiring import redis_stores
+
+        async def create() -> Client:
+            info, secret = await redis_stores(self.settings).clients.create(name)
+            return Client(info.client_id, secret)
+
+        return asyncio.run(create())
+
+    def token_for(self, client: Client) -> str:
+        with self.http() as http:
+            response = http.post(
+                "/request-access-token",
+                json={"client_id": client.client_id, "client_secret": client.client_secret},
+            )
+            response.raise_for_status()
+            return str(response.json()["result"]["data"]["token"])
+
+
+def loopback_ray_env(tmp: Path) -> dict[str, str]:
+    return {
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_TMPDIR": str(tmp),
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_AUTH_MODE": "disabled",
+    }
+
+
+@contextlib.contextmanager
+def running_service(
+    data_dir: Path,
+    args: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+    start_timeout_s: float = 300,
+) -> Iterator[RunningService]:
+    import ray
+    from ray import serve
+
+    from serve_app.graph import build_app
+
+    ray_tmp = Path(f"/tmp/ray-{os.getpid()}")
+    ray_tmp.mkdir(parents=True, exist_ok=True)
+    overrides = {**loopback_ray_env(ray_tmp), "FACESEARCH_DATA_DIR": str(data_dir), **(env or {})}
+    saved = {key: os.environ.get(key) for key in overrides}
+    os.environ.update(overrides)
+    embedded = EmbeddedServices(data_dir)
+    embedded.start()
+    try:
+        settings = dataclasses.replace(
+            Settings.from_env(), redis_url=embedded.redis_url, milvus_uri=embedded.milvus_uri
+        )
+        port = free_port()
+        ray.init(
+            _node_ip_address="127.0.0.1",
+            include_dashboard=False,
+            num_cpus=2,
+            log_to_driver=False,
+            runtime_env={"env_vars": overrides},
+        )
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(
+            build_app(args or {}, settings=settings), name="facesearch", route_prefix="/", blocking=False
+        )
+        base_url = f"http://127.0.0.1:{port}"
+        _wait_ready(base_url, start_timeout_s)
+        yield RunningService(base_url=base_url, settings=settings, embedded=embedded, data_dir=data_dir)
+    finally:
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        embedded.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _wait_ready(base_url: str, timeout_s: float) -> None:
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    last: object = None
+    while time.monotonic() < deadline:
+        status = serve.status().applications.get("facesearch")
+        if status is not None and status.status == "DEPLOY_FAILED":
+            raise RuntimeError(f"deployment failed: {status.message}")
+        if status is not None and status.status == "RUNNING":
+            try:
+                if httpx.get(f"{base_url}/healthz", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError as error:
+                last = error
+        time.sleep(0.5)
+    raise TimeoutError(f"service not ready after {timeout_s}s (last: {last!r}, status: {serve.status()})")

@@ -1,0 +1,153 @@
+"""The converted ResNet against dlib-bin's own descriptor on real faces, plus the conversion cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from pathlib import Path
+
+import dlib
+import numpy as np
+import onnx
+import pytest
+from PIL import Image
+
+from models import convert, weights
+from models.convert import build_descriptor_model, ensure_descriptor_model
+from models.dlib_dat import read_dnn
+from models.embedder import MODEL_VERSION, FaceEmbedder
+from models.errors import ModelFormatError
+from models.sessions import SessionOptions
+from tests.faces_dev import FacesDev
+
+CPU_ONLY = SessionOptions(intra_op_threads=2, provider_preference=("CPUExecutionProvider",))
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_descriptor_model(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def embedder(model_path: Path) -> FaceEmbedder:
+    return FaceEmbedder(model_path, CPU_ONLY)
+
+
+@pytest.fixture(scope="module")
+def chips(faces_dev: FacesDev) -> np.ndarray:
+    """One aligned 150x150 chip per identity photo where dlib's HOG detector finds a face."""
+    detector = dlib.get_frontal_face_detector()
+    predictor = dlib.shape_predictor(str(weights.resolve("dlib_shape5")))
+    found = []
+    for labelled in faces_dev.of_kind("identity"):
+        image = np.asarray(Image.open(labelled.path).convert("RGB"), dtype=np.uint8)
+        boxes = detector(image, 1)
+        if len(boxes) == 0:
+            continue
+        box = max(boxes, key=lambda rect: rect.area())
+        found.append(dlib.get_face_chip(image, predictor(image, box), size=150, padding=0.25))
+    assert len(found) >= 10, f"only {len(found)} identity photos gave a face chip"
+    return np.stack(found).astype(np.uint8)
+
+
+@pytest.fixture(scope="module")
+def dlib_descriptors(chips: np.ndarray) -> np.ndarray:
+    recognizer = dlib.face_recognition_model_v1(str(weights.resolve("dlib_resnet_v1")))
+    return np.array([recognizer.compute_face_descriptor(chip) for chip in chips], dtype=np.float64)
+
+
+def test_parity_with_dlib(embedder: FaceEmbedder, chips: np.ndarray, dlib_descriptors: np.ndarray) -> None:
+    ours = embedder.embed(chips)
+    assert ours.dtype == np.float32 and ours.shape == (len(chips), 128)
+    difference = float(np.abs(ours.astype(np.float64) - dlib_descriptors).max())
+    assert difference <= 1e-4, f"max abs difference from dlib {difference:.3g}"
+    # Guard against a degenerate pass (e.g. both near zero): dlib descriptors have norms around 1.4-1.6.
+    assert np.all(np.linalg.norm(dlib_descriptors, axis=1) > 1.0)
+    assert np.abs(dlib_descriptors).max() > 0.1
+
+
+def test_batch_equals_one_by_one(embedder: FaceEmbedder, chips: np.ndarray) -> None:
+    batched = embedder.embed(chips)
+    singles = np.concatenate([embedder.embed(chips[i : i + 1]) for i in range(len(chips))])
+    np.testing.assert_allclose(batched, singles, rtol=0, atol=1e-5)
+
+
+def test_distinct_faces_give_distinct_descriptors(embedder: FaceEmbedder, chips: np.ndarray) -> None:
+    descriptors = embedder.embed(chips)
+    distances = np.linalg.norm(descriptors[:, None] - descriptors[None], axis=-1)
+    off_diagonal = distances[~np.eye(len(chips), dtype=bool)]
+    assert off_diagonal.max() > 0.6  # ten different people are in the set
+
+
+def test_empty_batch(embedder: FaceEmbedder) -> None:
+    out = embedder.embed(np.zeros((0, 150, 150, 3), np.uint8))
+    assert out.shape == (0, 128) and out.dtype == np.float32
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        np.zeros((1, 150, 150, 3), np.float32),
+        np.zeros((150, 150, 3), np.uint8),
+        np.zeros((1, 3, 150, 150), np.uint8),
+    ],
+)
+def test_rejects_wrong_chip_layout(embedder: FaceEmbedder, bad: np.ndarray) -> None:
+    with pytest.raises(ValueError, match="uint8"):
+        embedder.embed(bad)
+
+
+def test_model_version_constant() -> None:
+    assert MODEL_VERSION == "dlib_resnet_v1"
+
+
+def test_graph_has_dynamic_batch(model_path: Path) -> None:
+    model = onnx.load(str(model_path), load_external_data=False)
+    (graph_input,) = model.graph.input
+    (graph_output,) = model.graph.output
+    assert graph_input.name == "chips" and graph_output.name == "descriptors"
+    in_dims = graph_input.type.tensor_type.shape.dim
+    assert in_dims[0].dim_param and [d.dim_value for d in in_dims[1:]] == [150, 150, 3]
+    assert max(opset.version for opset in model.opset_import if opset.domain in ("", "ai.onnx")) >= 17
+
+
+def test_cache_is_keyed_by_sha256_and_reused(
+    model_path: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    source_sha = hashlib.sha256(weights.resolve("dlib_resnet_v1").read_bytes()).hexdigest()
+    assert model_path.name == f"dlib_resnet_v1-{source_sha[:16]}.onnx"
+    before = model_path.stat()
+
+    def must_not_convert(*args: object, **kwargs: object) -> onnx.ModelProto:
+        raise AssertionError("the cached model was converted again")
+
+    monkeypatch.setattr(convert, "build_descriptor_model", must_not_convert)
+    again = ensure_descriptor_model(model_path.parent)
+    assert again == model_path
+    after = again.stat()
+    assert after.st_ino == before.st_ino
+    assert (after.st_mtime_ns, after.st_size) == (before.st_mtime_ns, before.st_size)
+    # The atomic write leaves no temporary files behind.
+    assert sorted(p.name for p in model_path.parent.iterdir()) == [model_path.name]
+
+
+def test_default_models_dir_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("FACESEARCH_MODELS_DIR", str(tmp_path / "cache"))
+    assert convert.default_models_dir() == tmp_path / "cache"
+    monkeypatch.delenv("FACESEARCH_MODELS_DIR")
+    assert convert.default_models_dir() == Path.home() / ".cache" / "facesearch" / "models"
+
+
+def test_cli_prints_the_cached_path(model_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert convert.main(["--models-dir", str(model_path.parent)]) == 0
+    assert capsys.readouterr().out.strip() == str(model_path)
+
+
+def test_converter_rejects_a_different_topology() -> None:
+    net = read_dnn(weights.resolve("dlib_resnet_v1"))
+    missing_relu = dataclasses.replace(net, layers=net.layers[:2] + net.layers[3:])
+    with pytest.raises(ModelFormatError, match="expected ReluLayer"):
+        build_descriptor_model(missing_relu)
+    extra = dataclasses.replace(net, layers=(*net.layers, net.layers[2]))
+    with pytest.raises(ModelFormatError, match="extra layers"):
+        build_descriptor_model(extra)
