@@ -28,6 +28,7 @@ from models.types import AgeEstimate, AnalyzedFace
 from tests.faces_dev import LabelledImage, load_faces_dev
 
 AGE_BANDS: tuple[tuple[int, int], ...] = ((5, 11), (12, 17), (18, 25), (26, 40), (41, 70))
+THRESHOLD_SWEEP = (0.50, 0.55, 0.58, 0.60, 0.62)
 AGE_GROUPS: tuple[tuple[str, int, int], ...] = (("<18", 0, 17), ("18-20", 18, 20), ("21+", 21, 200))
 
 
@@ -89,7 +90,8 @@ def collect_descriptors(
 
 
 def verification_tables(descriptors: list[Descriptor], threshold: float) -> str:
-    same, different = [], []
+    same: list[float] = []
+    different: list[float] = []
     closest: tuple[float, str, str] = (float("inf"), "", "")
     for a, b in itertools.combinations(descriptors, 2):
         distance = float(np.linalg.norm(a.vector - b.vector))
@@ -132,7 +134,19 @@ def verification_tables(descriptors: list[Descriptor], threshold: float) -> str:
         f"{percent(false_non_matches, same_d.size)}\n"
         f"closest different pair: {closest[1]} / {closest[2]} at {closest[0]:.3f}"
     )
-    return f"{table}\n{summary}"
+    sweep = format_table(
+        ["distance threshold", "score there", "false matches", "false non-matches"],
+        [
+            [
+                f"{cut:.2f}",
+                f"{score_from_distance(cut):.3f}",
+                f"{int(np.sum(diff_d < cut))}/{diff_d.size}",
+                f"{int(np.sum(same_d >= cut))}/{same_d.size}",
+            ]
+            for cut in THRESHOLD_SWEEP
+        ],
+    )
+    return f"{table}\n{summary}\n\n{sweep}"
 
 
 def identification_table(descriptors: list[Descriptor], threshold: float) -> str:
@@ -228,9 +242,9 @@ def age_recipes(analyzer: FaceAnalyzer, images: Sequence[LabelledImage]) -> str:
         if not faces or item.age is None:
             continue
         rgb = to_rgb(image)
-        shapes = analyzer.aligner.shapes(rgb, [max(faces, key=lambda face: face.area)])
+        shapes = analyzer.cropper.aligner.shapes(rgb, [max(faces, key=lambda face: face.area)])
         for pad in paddings:
-            chips_by_padding[pad].append(analyzer.aligner.chips(rgb, shapes, AGE_CHIP_SIZE, pad))
+            chips_by_padding[pad].append(analyzer.cropper.aligner.chips(rgb, shapes, AGE_CHIP_SIZE, pad))
         truth.append(item.age)
     true_ages = np.asarray(truth, dtype=np.float64)
     rows = []

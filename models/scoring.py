@@ -7,11 +7,13 @@ point) scores 0.5 (DEFAULT_MIN_SCORE), and the score falls by one e-fold of odds
 distance. With SCORE_SCALE = 0.05: distance 0.40 -> 0.98, 0.50 -> 0.88, 0.55 -> 0.73, 0.65 -> 0.27,
 0.70 -> 0.12, 0.80 -> 0.018.
 
-Dev data (bench/accuracy.py, dlib HOG + 5-point alignment, 29 identity photos of 10 people + 7 group faces):
-same-person distances 0.26-0.52 (28 pairs), different-person 0.60-1.06 (602 pairs). At 0.6 the false-match
-rate is 0/602 and the false non-match rate 0/28, but the closest different pair is at 0.604: the margin on the
-impostor side is thin, and in 1:N search the chance that some gallery entry falls under the threshold grows
-with the gallery, so callers that want fewer false matches should ask for a higher score, not a lower one.
+Dev data (`python -m bench.accuracy`: YuNet + calibrated 5-point alignment + the ONNX descriptor, the
+largest face of each of the 30 identity photos of 10 people plus all 7 faces of the 2 group photos):
+same-person distances 0.255-0.528 (30 pairs), different-person 0.601-1.059 (636 pairs). At the default 0.6
+the false-match rate is 0/636 and the false non-match rate 0/30 (rank-1 identification 30/30); but the
+closest different pair sits at 0.601 and 3/636 fall under 0.62, while at 0.55 there are still no misses.
+In 1:N search the chance that some gallery entry of another person falls under the threshold grows with
+the gallery, so deployments with large galleries should ask for a higher score (0.73 is distance 0.55).
 
 The mapping is monotone and strictly decreasing; distance_from_score is its exact inverse and turns a score
 threshold into a search radius. Milvus' "L2" metric reports squared distances: square the radius for it.

@@ -7,8 +7,8 @@ import json
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
-class _BodyTooLarge(Exception):
-    pass
+class BodyTooLarge(Exception):
+    """Raised from receive() once a streamed body passes the limit; body readers must let it propagate."""
 
 
 class BodySizeLimitMiddleware:
@@ -33,7 +33,7 @@ class BodySizeLimitMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes:
-                    raise _BodyTooLarge
+                    raise BodyTooLarge
             return message
 
         async def tracking_send(message: Message) -> None:
@@ -44,7 +44,7 @@ class BodySizeLimitMiddleware:
 
         try:
             await self.app(scope, limited_receive, tracking_send)
-        except _BodyTooLarge:
+        except BodyTooLarge:
             if not response_started:
                 await self._reject(send)
 

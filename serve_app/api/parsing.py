@@ -12,7 +12,8 @@ from typing import Any
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
 
-from serve_app.domain.errors import UnsupportedMedia, ValidationFailed
+from serve_app.api.limits import BodyTooLarge
+from serve_app.domain.errors import PayloadTooLarge, UnsupportedMedia, ValidationFailed
 from serve_app.imaging.decode import ACCEPTED_EXTENSIONS
 
 _DATA_URI = re.compile(r"^data:image/(?P<subtype>[A-Za-z0-9.+-]+);base64,(?P<payload>.*)$", re.DOTALL)
@@ -44,13 +45,21 @@ async def read_body(request: Request, accepted: tuple[str, ...], max_part_bytes:
             raise ValidationFailed("The request body is empty.", {"body": "empty"})
         try:
             parsed = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (ValueError, RecursionError):
+            # ValueError covers JSONDecodeError, UnicodeDecodeError and over-long integer literals;
+            # RecursionError a hostile nesting depth.
             raise ValidationFailed("The request body is not valid JSON.", {"body": "invalid JSON"}) from None
         if not isinstance(parsed, dict):
             raise ValidationFailed("The JSON body must be an object.", {"body": "not an object"})
+        for key, value in parsed.items():
+            # JSON escapes can spell lone surrogates, which no store can encode: refuse them here.
+            if not _is_utf8(key) or (isinstance(value, str) and not _is_utf8(value)):
+                raise ValidationFailed("The request body is not valid JSON.", {"body": "invalid JSON"})
         return Body(fields=parsed, files={}, is_json=True)
     try:
         form = await request.form(max_files=2, max_fields=20, max_part_size=max_part_bytes)
+    except BodyTooLarge:
+        raise  # the body-size middleware answers 413
     except Exception as error:  # multipart parser errors carry no stable type across versions
         raise ValidationFailed("The form body could not be parsed.", {"body": str(error)[:200]}) from None
     fields: dict[str, Any] = {}
@@ -154,4 +163,16 @@ async def image_from_upload(body: Body, max_bytes: int) -> bytes:
             {"file": "extension must be .jpg/.jpeg/.png"},
         )
     data = await upload.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise PayloadTooLarge(
+            f"The uploaded file exceeds the limit of {max_bytes} bytes.", {"file": "too large"}
+        )
     return data
+
+
+def _is_utf8(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -63,12 +63,18 @@ def decode_image(data: bytes, max_pixels: int, max_side: int | None = None) -> D
                     f"The image has {width}x{height} pixels; the limit is {max_pixels} pixels.",
                     {"file": "image too large"},
                 )
-            if image.format not in ("JPEG", "PNG"):
+            # Pillow calls a JPEG with an MPF segment (many phone cameras) "MPO"; frame 0 is the photo.
+            if image.format not in ("JPEG", "MPO", "PNG"):
                 raise UnsupportedMedia("The file is not a JPEG or PNG image.", {"file": "unsupported format"})
             image.load()
     except (PayloadTooLarge, UnsupportedMedia):
         raise
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
+    except Image.DecompressionBombError as error:
+        # Raised by Image.open itself for images far beyond Pillow's own limit, before our check runs.
+        raise PayloadTooLarge(
+            f"The image has too many pixels; the limit is {max_pixels} pixels.", {"file": "image too large"}
+        ) from error
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
         raise ValidationFailed(
             "The image could not be decoded (corrupt or truncated file).",
             {"file": "corrupt or truncated image"},

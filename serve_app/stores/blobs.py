@@ -1,0 +1,110 @@
+"""Blobs (uploaded images, enrolled proofs) as files in a local directory.
+
+Layout: <dir>/<h[0:2]>/<h[2:4]>/<h> with h = sha256(key), plus <h>.type holding the content type. Keys are
+validated before use and only their hash names a file, so no key can address a path outside the directory;
+the two-level fan-out keeps directories small. Writes go to a temporary file that is fsynced and renamed
+over the target, so a reader sees the old blob or the new one, never a partial file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import re
+import tempfile
+from pathlib import Path
+
+_KEY_RE = re.compile(r"^[A-Za-z0-9_\-/]+$")
+_MAX_KEY_LENGTH = 512
+_CONTENT_TYPE_RE = re.compile(r"^[\x20-\x7e]{1,255}$")
+DEFAULT_CONTENT_TYPE = "application/octet-stream"
+
+
+def validate_key(key: str) -> str:
+    """The key itself when it is acceptable; ValueError otherwise."""
+    if (
+        not key
+        or len(key) > _MAX_KEY_LENGTH
+        or not _KEY_RE.fullmatch(key)
+        or ".." in key
+        or key.startswith("/")
+        or key.endswith("/")
+        or "//" in key
+    ):
+        raise ValueError(f"invalid blob key {key!r}")
+    return key
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp_name)
+        raise
+
+
+class LocalBlobStore:
+    def __init__(self, directory: Path | str) -> None:
+        self._root = Path(directory).resolve()
+
+    @property
+    def directory(self) -> Path:
+        return self._root
+
+    def _path(self, key: str) -> Path:
+        digest = hashlib.sha256(validate_key(key).encode()).hexdigest()
+        return self._root / digest[:2] / digest[2:4] / digest
+
+    async def put(self, key: str, data: bytes, content_type: str) -> None:
+        path = self._path(key)
+        if not _CONTENT_TYPE_RE.fullmatch(content_type):
+            raise ValueError(f"invalid content type {content_type!r}")
+        await asyncio.to_thread(self._put_sync, path, bytes(data), content_type)
+
+    @staticmethod
+    def _put_sync(path: Path, data: bytes, content_type: str) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Type first: a reader that finds the data finds its type too.
+        _atomic_write(path.with_suffix(".type"), content_type.encode())
+        _atomic_write(path, data)
+        _fsync_directory(path.parent)
+
+    async def get(self, key: str) -> tuple[bytes, str] | None:
+        return await asyncio.to_thread(self._get_sync, self._path(key))
+
+    @staticmethod
+    def _get_sync(path: Path) -> tuple[bytes, str] | None:
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            content_type = path.with_suffix(".type").read_text().strip() or DEFAULT_CONTENT_TYPE
+        except FileNotFoundError:
+            content_type = DEFAULT_CONTENT_TYPE
+        return data, content_type
+
+    async def delete(self, key: str) -> None:
+        await asyncio.to_thread(self._delete_sync, self._path(key))
+
+    @staticmethod
+    def _delete_sync(path: Path) -> None:
+        for target in (path, path.with_suffix(".type")):
+            with contextlib.suppress(FileNotFoundError):
+                target.unlink()

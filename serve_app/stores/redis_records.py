@@ -1,0 +1,146 @@
+"""Metadata of enrolled faces in Redis.
+
+Keys (prefix default "fs:"):
+  {p}face:{tenant}:{face_id}   JSON of the FaceRecord
+  {p}faces:{tenant}            set of the tenant's face ids (all_face_ids, reconciliation)
+  {p}tenants                   set of tenants that have had faces
+  {p}ref:{tenant}:{sha256(client_reference)}   sorted set face_id -> created_at (latest_for_reference)
+  {p}lock:ref:{tenant}:{sha256(client_reference)}   the override lock
+
+client_reference is user input of any length and content, so it only appears in key names hashed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import asdict
+from typing import Any
+
+from redis import exceptions as redis_exceptions
+from redis.asyncio import Redis
+
+from serve_app.domain.errors import BackendUnavailable
+from serve_app.domain.faces import FaceRecord
+from serve_app.stores.redis_support import redis_errors, text
+
+logger = logging.getLogger(__name__)
+
+
+def _reference_hash(client_reference: str) -> str:
+    return hashlib.sha256(client_reference.encode()).hexdigest()
+
+
+class RedisFaceRecordStore:
+    def __init__(self, redis: Redis, prefix: str = "fs:") -> None:
+        self._redis = redis
+        self._prefix = prefix
+
+    def _face_key(self, tenant_id: str, face_id: str) -> str:
+        return f"{self._prefix}face:{tenant_id}:{face_id}"
+
+    def _faces_key(self, tenant_id: str) -> str:
+        return f"{self._prefix}faces:{tenant_id}"
+
+    def _ref_key(self, tenant_id: str, client_reference: str) -> str:
+        return f"{self._prefix}ref:{tenant_id}:{_reference_hash(client_reference)}"
+
+    async def put(self, record: FaceRecord) -> None:
+        async with redis_errors(), self._redis.pipeline(transaction=True) as pipe:
+            pipe.set(self._face_key(record.tenant_id, record.face_id), json.dumps(asdict(record)))
+            pipe.sadd(self._faces_key(record.tenant_id), record.face_id)
+            pipe.sadd(f"{self._prefix}tenants", record.tenant_id)
+            if record.client_reference is not None:
+                pipe.zadd(
+                    self._ref_key(record.tenant_id, record.client_reference),
+                    {record.face_id: record.created_at},
+                )
+            await pipe.execute()
+
+    async def get(self, tenant_id: str, face_id: str) -> FaceRecord | None:
+        async with redis_errors():
+            raw = await self._redis.get(self._face_key(tenant_id, face_id))
+        return FaceRecord(**json.loads(raw)) if raw is not None else None
+
+    async def get_many(self, tenant_id: str, face_ids: Sequence[str]) -> dict[str, FaceRecord]:
+        if not face_ids:
+            return {}
+        async with redis_errors():
+            raws = await self._redis.mget([self._face_key(tenant_id, face_id) for face_id in face_ids])
+        return {
+            face_id: FaceRecord(**json.loads(raw))
+            for face_id, raw in zip(face_ids, raws, strict=True)
+            if raw is not None
+        }
+
+    async def latest_for_reference(self, tenant_id: str, client_reference: str) -> FaceRecord | None:
+        key = self._ref_key(tenant_id, client_reference)
+        async with redis_errors():
+            # A few candidates, newest first, in case the newest index entry outlived its record.
+            face_ids = [text(face_id) for face_id in await self._redis.zrevrange(key, 0, 4)]
+        records = await self.get_many(tenant_id, face_ids)
+        for face_id in face_ids:
+            record = records.get(face_id)
+            # A face re-put under another reference leaves a stale index entry; skip it.
+            if record is not None and record.client_reference == client_reference:
+                return record
+        return None
+
+    async def delete(self, tenant_id: str, face_id: str) -> None:
+        record = await self.get(tenant_id, face_id)
+        async with redis_errors(), self._redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self._face_key(tenant_id, face_id))
+            pipe.srem(self._faces_key(tenant_id), face_id)
+            if record is not None and record.client_reference is not None:
+                pipe.zrem(self._ref_key(tenant_id, record.client_reference), face_id)
+            await pipe.execute()
+
+    async def all_face_ids(self, tenant_id: str | None = None) -> set[tuple[str, str]]:
+        async with redis_errors():
+            if tenant_id is not None:
+                tenants = [tenant_id]
+            else:
+                tenants = sorted(text(t) for t in await self._redis.smembers(f"{self._prefix}tenants"))
+            result: set[tuple[str, str]] = set()
+            for tenant in tenants:
+                # SSCAN, not SMEMBERS: a large tenant does not block Redis with one huge reply.
+                async for face_id in self._redis.sscan_iter(self._faces_key(tenant), count=1000):
+                    result.add((tenant, text(face_id)))
+        return result
+
+    def reference_lock(self, tenant_id: str, client_reference: str, timeout_s: float) -> Any:
+        """Async context manager holding a Redis lock for (tenant, client_reference).
+
+        The lock expires after timeout_s (so a dead holder cannot block the reference forever) and waiting
+        for it gives up after timeout_s with BackendUnavailable (503: the caller may retry).
+        """
+        return self._reference_lock(tenant_id, client_reference, timeout_s)
+
+    @contextlib.asynccontextmanager
+    async def _reference_lock(
+        self, tenant_id: str, client_reference: str, timeout_s: float
+    ) -> AsyncIterator[None]:
+        name = f"{self._prefix}lock:ref:{tenant_id}:{_reference_hash(client_reference)}"
+        # thread_local=False: the token lives on the Lock object, which stays within this coroutine.
+        lock = self._redis.lock(name, timeout=timeout_s, blocking_timeout=timeout_s, thread_local=False)
+        async with redis_errors():
+            acquired = await lock.acquire()
+        if not acquired:
+            raise BackendUnavailable(
+                f"Timed out after {timeout_s:g} s waiting for the lock on a client_reference"
+            )
+        try:
+            yield
+        finally:
+            try:
+                await lock.release()
+            except redis_exceptions.LockError:
+                # It expired while held: another holder may have run meanwhile. The work is done, so
+                # report it rather than fail a completed operation.
+                logger.warning("reference lock %s expired before release (held > %g s)", name, timeout_s)
+            except (redis_exceptions.RedisError, OSError) as error:
+                # Release is best effort; the lock expires on its own after timeout_s.
+                logger.warning("could not release reference lock %s: %s", name, error)

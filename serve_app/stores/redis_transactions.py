@@ -1,0 +1,319 @@
+"""Transactions and the work queue in Redis.
+
+Keys (prefix default "fs:"):
+  {p}tx:{reference_id}       hash, one field per Transaction attribute (result/extra as JSON)
+  {p}tx:counts               hash state -> number of transactions in that state
+  {p}tx:queue                stream of {"ref": reference_id}; consumer group "workers"
+  {p}tx:done:{reference_id}  short-lived list: the completion signal wait_final blocks on
+
+Why a hash and not one JSON document: state changes run as Lua scripts that only touch a few scalar
+fields, so the script never has to decode and re-encode JSON (Lua's cjson would round floats and turn {}
+into []), and they stay atomic: a final state is never overwritten.
+
+Acknowledging an entry also deletes it from the stream, so the stream holds exactly the entries that are
+not yet acknowledged and depth() is XLEN.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from redis import exceptions as redis_exceptions
+from redis.asyncio import Redis
+from redis.typing import EncodableT, FieldT
+
+from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState
+from serve_app.stores.interfaces import QueueEntry
+from serve_app.stores.redis_support import redis_errors, socket_timeout_of, text, text_map
+
+logger = logging.getLogger(__name__)
+
+_FINAL = (TransactionState.COMPLETED.value, TransactionState.FAILED.value)
+
+# QUEUED/PROCESSING -> PROCESSING with attempts + 1; returns the hash, or nil if unknown or final.
+_MARK_PROCESSING = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state then return nil end
+if state ~= 'queued' and state ~= 'processing' then return nil end
+redis.call('HSET', KEYS[1], 'state', 'processing', 'updated_at', ARGV[1])
+redis.call('HINCRBY', KEYS[1], 'attempts', 1)
+if state == 'queued' then
+  redis.call('HINCRBY', KEYS[2], 'queued', -1)
+  redis.call('HINCRBY', KEYS[2], 'processing', 1)
+end
+return redis.call('HGETALL', KEYS[1])
+"""
+
+# Non-final -> final (ARGV[1]); sets ARGV[3]=ARGV[4] (result or error), optional expiry, and pushes the
+# completion signal. Returns 1 when it changed the state, 0 when unknown or already final.
+_FINALIZE = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state then return 0 end
+if state == 'completed' or state == 'failed' then return 0 end
+redis.call('HSET', KEYS[1], 'state', ARGV[1], 'updated_at', ARGV[2], ARGV[3], ARGV[4])
+redis.call('HINCRBY', KEYS[2], state, -1)
+redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
+if tonumber(ARGV[5]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[5]) end
+redis.call('DEL', KEYS[3])
+redis.call('RPUSH', KEYS[3], ARGV[1])
+redis.call('EXPIRE', KEYS[3], ARGV[6])
+return 1
+"""
+
+
+def _encode(tx: Transaction) -> dict[FieldT, EncodableT]:
+    fields: dict[FieldT, EncodableT] = {
+        "reference_id": tx.reference_id,
+        "tenant_id": tx.tenant_id,
+        "kind": tx.kind.value,
+        "state": tx.state.value,
+        "created_at": repr(float(tx.created_at)),
+        "updated_at": repr(float(tx.updated_at)),
+        "image_key": tx.image_key,
+        "enroll_face": "1" if tx.enroll_face else "0",
+        "allow_override": "1" if tx.allow_override else "0",
+        "attempts": str(tx.attempts),
+        "extra": json.dumps(tx.extra),
+    }
+    # Absent fields stand for None.
+    if tx.client_reference is not None:
+        fields["client_reference"] = tx.client_reference
+    if tx.result is not None:
+        fields["result"] = json.dumps(tx.result)
+    if tx.error is not None:
+        fields["error"] = tx.error
+    return fields
+
+
+def _decode(fields: Mapping[str, str]) -> Transaction:
+    result = fields.get("result")
+    return Transaction(
+        reference_id=fields["reference_id"],
+        tenant_id=fields["tenant_id"],
+        kind=TransactionKind(fields["kind"]),
+        state=TransactionState(fields["state"]),
+        created_at=float(fields["created_at"]),
+        updated_at=float(fields["updated_at"]),
+        image_key=fields["image_key"],
+        enroll_face=fields.get("enroll_face") == "1",
+        allow_override=fields.get("allow_override") == "1",
+        client_reference=fields.get("client_reference"),
+        attempts=int(fields.get("attempts", "0")),
+        result=json.loads(result) if result is not None else None,
+        error=fields.get("error"),
+        extra=json.loads(fields.get("extra") or "{}"),
+    )
+
+
+def _pairs_to_dict(flat: Sequence[Any]) -> dict[str, str]:
+    """HGETALL as returned from a Lua script: [field, value, field, value, ...]."""
+    return {text(flat[i]): text(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+
+class RedisTransactionStore:
+    """TransactionStore and WorkQueue over one Redis client (decode_responses=True, see connect_redis)."""
+
+    def __init__(
+        self,
+        redis: Redis,
+        prefix: str = "fs:",
+        *,
+        group: str = "workers",
+        finished_ttl_s: int | None = None,
+        done_signal_ttl_s: int = 60,
+    ) -> None:
+        """finished_ttl_s: expire final transactions after this long (None: keep them).
+        done_signal_ttl_s: how long a completion signal outlives the completion, for slow waiters."""
+        self._redis = redis
+        self._prefix = prefix
+        self._stream = f"{prefix}tx:queue"
+        self._counts = f"{prefix}tx:counts"
+        self._group = group
+        self._finished_ttl_s = finished_ttl_s or 0
+        self._done_ttl_s = max(1, done_signal_ttl_s)
+        self._group_ready = False
+        # Blocking commands must return before the socket read times out, or redis-py would treat the
+        # quiet connection as dead; long waits are made of several shorter blocking calls.
+        socket_timeout = socket_timeout_of(redis)
+        self._max_block_s = 2.0 if socket_timeout is None else max(0.05, min(2.0, socket_timeout - 1.0))
+        self._mark_processing = redis.register_script(_MARK_PROCESSING)
+        self._finalize = redis.register_script(_FINALIZE)
+
+    def _tx_key(self, reference_id: str) -> str:
+        return f"{self._prefix}tx:{reference_id}"
+
+    def _done_key(self, reference_id: str) -> str:
+        return f"{self._prefix}tx:done:{reference_id}"
+
+    # -- TransactionStore -------------------------------------------------------------------------------
+
+    async def create_and_enqueue(self, tx: Transaction) -> None:
+        async with redis_errors(), self._redis.pipeline(transaction=True) as pipe:
+            pipe.hset(self._tx_key(tx.reference_id), mapping=_encode(tx))
+            pipe.hincrby(self._counts, tx.state.value, 1)
+            pipe.xadd(self._stream, {"ref": tx.reference_id})
+            await pipe.execute()
+
+    async def get(self, reference_id: str) -> Transaction | None:
+        async with redis_errors():
+            fields = await self._redis.hgetall(self._tx_key(reference_id))
+        return _decode(text_map(fields)) if fields else None
+
+    async def mark_processing(self, reference_id: str) -> Transaction | None:
+        async with redis_errors():
+            flat = await self._mark_processing(
+                keys=[self._tx_key(reference_id), self._counts], args=[repr(time.time())]
+            )
+        return _decode(_pairs_to_dict(flat)) if flat else None
+
+    async def complete(self, reference_id: str, result: dict[str, Any]) -> None:
+        await self._finish(reference_id, TransactionState.COMPLETED, "result", json.dumps(result))
+
+    async def fail(self, reference_id: str, error: str) -> None:
+        await self._finish(reference_id, TransactionState.FAILED, "error", error)
+
+    async def _finish(self, reference_id: str, state: TransactionState, field: str, value: str) -> None:
+        async with redis_errors():
+            changed = await self._finalize(
+                keys=[self._tx_key(reference_id), self._counts, self._done_key(reference_id)],
+                args=[state.value, repr(time.time()), field, value, self._finished_ttl_s, self._done_ttl_s],
+            )
+        if not changed:
+            logger.info("transaction %s is unknown or already final; %s ignored", reference_id, state.value)
+
+    async def wait_final(self, reference_id: str, timeout_s: float) -> Transaction | None:
+        """Blocks on the completion signal list with BLPOP, so it returns within a round trip of the
+        completion. The state is read before blocking; a completion in between leaves the signal in the
+        list, so BLPOP returns at once (no lost wake-up)."""
+        tx = await self.get(reference_id)
+        if tx is None or tx.state.is_final or timeout_s <= 0:
+            return tx
+        deadline = time.monotonic() + timeout_s
+        done_key = self._done_key(reference_id)
+        async with redis_errors():
+            while (remaining := deadline - time.monotonic()) > 0:
+                popped = await self._redis.blpop(
+                    [done_key], timeout=max(0.01, min(remaining, self._max_block_s))
+                )
+                if popped is not None:
+                    # Put the signal back for any other waiter on the same transaction.
+                    async with self._redis.pipeline(transaction=True) as pipe:
+                        pipe.rpush(done_key, popped[1])
+                        pipe.expire(done_key, self._done_ttl_s)
+                        await pipe.execute()
+                    break
+        return await self.get(reference_id)
+
+    async def count_by_state(self) -> dict[str, int]:
+        """Counters kept by every state change. With finished_ttl_s set, expired final transactions stay
+        counted (the counts are totals of what reached each state, not a scan)."""
+        async with redis_errors():
+            raw = await self._redis.hgetall(self._counts)
+        counts = {state.value: 0 for state in TransactionState}
+        counts.update({state: int(value) for state, value in text_map(raw).items()})
+        return counts
+
+    # -- WorkQueue --------------------------------------------------------------------------------------
+
+    async def _ensure_group(self) -> None:
+        if self._group_ready:
+            return
+        try:
+            # From id 0, not $: entries added before the group existed are delivered too.
+            await self._redis.xgroup_create(self._stream, self._group, id="0", mkstream=True)
+        except redis_exceptions.ResponseError as error:
+            if "BUSYGROUP" not in str(error):
+                raise
+        self._group_ready = True
+
+    async def claim(self, consumer: str, count: int, block_ms: int) -> list[QueueEntry]:
+        deadline = time.monotonic() + block_ms / 1000
+        async with redis_errors():
+            while True:
+                remaining_ms = int((deadline - time.monotonic()) * 1000)
+                block = min(remaining_ms, int(self._max_block_s * 1000))
+                # BLOCK 0 would mean "forever": no wait left means a non-blocking read.
+                response = await self._read_group(consumer, count, block if block > 0 else None)
+                entries = [
+                    QueueEntry(entry_id=entry_id, reference_id=fields["ref"], deliveries=1)
+                    for _stream, messages in response or []
+                    for entry_id, fields in messages
+                    if fields and "ref" in fields
+                ]
+                if entries or block <= 0 or time.monotonic() >= deadline:
+                    return entries
+
+    async def _read_group(self, consumer: str, count: int, block_ms: int | None) -> Any:
+        await self._ensure_group()
+        try:
+            return await self._redis.xreadgroup(
+                self._group, consumer, {self._stream: ">"}, count=count, block=block_ms
+            )
+        except redis_exceptions.ResponseError as error:
+            if "NOGROUP" not in str(error):
+                raise
+            # The stream or group vanished (e.g. Redis lost its data): recreate and read again.
+            self._group_ready = False
+            await self._ensure_group()
+            return await self._redis.xreadgroup(
+                self._group, consumer, {self._stream: ">"}, count=count, block=block_ms
+            )
+
+    async def reclaim_stale(self, consumer: str, min_idle_ms: int, count: int) -> list[QueueEntry]:
+        claimed: list[tuple[str, dict[str, str]]] = []
+        async with redis_errors():
+            await self._ensure_group()
+            cursor = "0-0"
+            # XAUTOCLAIM scans a bounded part of the pending list per call; a few calls cover a long one.
+            for _ in range(10):
+                try:
+                    response = await self._redis.xautoclaim(
+                        self._stream, self._group, consumer, min_idle_ms, start_id=cursor,
+                        count=count - len(claimed),
+                    )  # fmt: skip
+                except redis_exceptions.ResponseError as error:
+                    if "NOGROUP" not in str(error):
+                        raise
+                    self._group_ready = False
+                    return []
+                cursor = response[0]
+                for entry_id, fields in response[1]:
+                    if entry_id is None or not fields:
+                        # Redis 6.2 returns entries deleted from the stream as nil; ours are never
+                        # deleted before being acknowledged, so there is nothing to hand out.
+                        logger.warning("reclaimed a pending entry that no longer exists in %s", self._stream)
+                        continue
+                    claimed.append((entry_id, fields))
+                if cursor in ("0-0", "0") or len(claimed) >= count:
+                    break
+            if not claimed:
+                return []
+            # The delivery count (already incremented by the claim) is what lets a worker give up on a
+            # poison message; XAUTOCLAIM does not return it, XPENDING does.
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for entry_id, _fields in claimed:
+                    pipe.xpending_range(self._stream, self._group, min=entry_id, max=entry_id, count=1)
+                pending = await pipe.execute()
+        deliveries = {info["message_id"]: int(info["times_delivered"]) for rows in pending for info in rows}
+        return [
+            QueueEntry(entry_id=entry_id, reference_id=fields["ref"], deliveries=deliveries.get(entry_id, 1))
+            for entry_id, fields in claimed
+            if "ref" in fields
+        ]
+
+    async def ack(self, entry_ids: Sequence[str]) -> None:
+        if not entry_ids:
+            return
+        async with redis_errors(), self._redis.pipeline(transaction=True) as pipe:
+            pipe.xack(self._stream, self._group, *entry_ids)
+            pipe.xdel(self._stream, *entry_ids)
+            await pipe.execute()
+
+    async def depth(self) -> int:
+        """Entries not yet acknowledged: acknowledged ones are deleted, so this is the stream length."""
+        async with redis_errors():
+            return int(await self._redis.xlen(self._stream))

@@ -1,0 +1,698 @@
+"""The stores against real servers: redis-server and milvus-lite started by serve_app.embedded in a temporary
+directory, bound to 127.0.0.1. Nothing here is mocked.
+
+Each test runs its coroutine with asyncio.run and makes its own clients, and uses its own key prefix or
+collection, so tests do not share state through the session-scoped servers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import statistics
+import subprocess
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import pytest
+
+from serve_app.domain.errors import BackendUnavailable
+from serve_app.domain.faces import FaceRecord, GalleryEntry
+from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState, new_reference_id
+from serve_app.embedded import EmbeddedMilvus, EmbeddedRedis, EmbeddedServices, free_port
+from serve_app.stores.blobs import LocalBlobStore
+from serve_app.stores.interfaces import (
+    BlobStore,
+    ClientStore,
+    FaceRecordStore,
+    GalleryStore,
+    RateLimiter,
+    TransactionStore,
+    WorkQueue,
+)
+from serve_app.stores.milvus_gallery import MilvusGalleryStore
+from serve_app.stores.redis_clients import RedisClientStore
+from serve_app.stores.redis_ratelimit import RedisRateLimiter
+from serve_app.stores.redis_records import RedisFaceRecordStore
+from serve_app.stores.redis_support import connect_redis, text, text_map
+from serve_app.stores.redis_transactions import RedisTransactionStore
+
+T = TypeVar("T")
+PEPPER = "integration-test-pepper-0123456789"
+
+
+@pytest.fixture(scope="session")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServices]:
+    services = EmbeddedServices(tmp_path_factory.mktemp("stores"))
+    services.start()
+    try:
+        yield services
+    finally:
+        services.stop()
+
+
+def run(scenario: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    return asyncio.run(scenario())
+
+
+def prefix() -> str:
+    return f"t{uuid.uuid4().hex[:8]}:"
+
+
+def make_tx(tenant: str = "tenant-a", **changes: Any) -> Transaction:
+    now = time.time()
+    fields: dict[str, Any] = {
+        "reference_id": new_reference_id(),
+        "tenant_id": tenant,
+        "kind": TransactionKind.FACE_SEARCH,
+        "state": TransactionState.QUEUED,
+        "created_at": now,
+        "updated_at": now,
+        "image_key": f"uploads/{uuid.uuid4().hex}",
+        "enroll_face": True,
+        "allow_override": True,
+        "client_reference": 'ref "quoted" \\ back',
+        "extra": {"source": "test"},
+    }
+    fields.update(changes)
+    return Transaction(**fields)
+
+
+def vector(rng: np.random.Generator) -> np.ndarray:
+    return rng.standard_normal(128).astype(np.float32)
+
+
+def test_stores_implement_the_interfaces(tmp_path: Path) -> None:
+    """Mostly a static check: mypy rejects an assignment whose implementation drifted from its Protocol."""
+    redis = connect_redis("redis://127.0.0.1:1/0")  # no I/O happens
+    transactions: TransactionStore = RedisTransactionStore(redis)
+    queue: WorkQueue = RedisTransactionStore(redis)
+    records: FaceRecordStore = RedisFaceRecordStore(redis)
+    clients: ClientStore = RedisClientStore(redis, pepper=PEPPER)
+    limiter: RateLimiter = RedisRateLimiter(redis)
+    gallery_store: GalleryStore = MilvusGalleryStore("http://127.0.0.1:1")
+    blobs: BlobStore = LocalBlobStore(tmp_path)
+    assert all((transactions, queue, records, clients, limiter, gallery_store, blobs))
+    with pytest.raises(ValueError):
+        RedisClientStore(redis, pepper="short")
+    asyncio.run(redis.aclose())
+
+
+# -- embedded servers ------------------------------------------------------------------------------------
+
+
+def test_servers_listen_on_loopback_only(servers: EmbeddedServices) -> None:
+    if shutil.which("ss") is None:
+        pytest.skip("ss is not installed")
+    assert servers.redis is not None and servers.milvus is not None
+    listing = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    for pid in (servers.redis.pid, servers.milvus.pid):
+        sockets = [line.split()[3] for line in listing.splitlines() if f"pid={pid}," in line]
+        assert sockets, f"pid {pid} listens nowhere?\n{listing}"
+        for address in sockets:
+            assert address.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:")), address
+
+
+def test_second_start_reuses_the_live_servers(servers: EmbeddedServices) -> None:
+    second = EmbeddedServices(servers.data_dir)
+    second.start()
+    assert second.redis is not None and second.milvus is not None
+    assert (second.redis_url, second.milvus_uri) == (servers.redis_url, servers.milvus_uri)
+    assert not second.redis.owned and not second.milvus.owned
+    second.stop()  # not its servers: they keep running
+    assert servers.redis is not None and servers.redis.is_running()
+    assert servers.milvus is not None and servers.milvus.is_running()
+
+
+def test_missing_redis_binary_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from serve_app.embedded import EmbeddedServerError
+
+    monkeypatch.setattr(EmbeddedRedis, "binary", staticmethod(lambda: "/nonexistent/redis-server"))
+    with pytest.raises(EmbeddedServerError, match="cannot run"):
+        EmbeddedRedis(tmp_path).start()
+
+
+# -- transactions and queue ------------------------------------------------------------------------------
+
+
+def test_transaction_lifecycle(servers: EmbeddedServices) -> None:
+    async def scenario() -> None:
+        redis = connect_redis(str(servers.redis_url))
+        store = RedisTransactionStore(redis, prefix=prefix())
+        try:
+            tx = make_tx()
+            await store.create_and_enqueue(tx)
+            assert await store.get(tx.reference_id) == tx
+            assert await store.get("unknown") is None
+            assert await store.depth() == 1
+            assert (await store.count_by_state())["queued"] == 1
+
+            entries = await store.claim("worker-1", count=10, block_ms=100)
+            assert [(e.reference_id, e.deliveries) for e in entries] == [(tx.reference_id, 1)]
+            assert await store.claim("worker-1", count=10, block_ms=0) == []
+
+            processing = await store.mark_processing(tx.reference_id)
+            assert processing is not None
+            assert (processing.state, processing.attempts) == (TransactionState.PROCESSING, 1)
+            again = await store.mark_processing(tx.reference_id)  # a redelivery bumps attempts
+            assert again is not None and again.attempts == 2
+
+            await store.complete(tx.reference_id, {"matches": [{"face_id": "f1", "score": 0.97}], "n": {}})
+            await store.fail(tx.reference_id, "too late")  # never overwrites a final state
+            await store.complete(tx.reference_id, {"other": 1})
+            assert await store.mark_processing(tx.reference_id) is None
+            final = await store.get(tx.reference_id)
+            assert final is not None
+            assert final.state is TransactionState.COMPLETED
+            assert final.result == {"matches": [{"face_id": "f1", "score": 0.97}], "n": {}}
+            assert final.error is None and final.attempts == 2
+            assert final.created_at == tx.created_at and final.client_reference == tx.client_reference
+
+            failed = make_tx(client_reference=None, enroll_face=False)
+            await store.create_and_enqueue(failed)
+            await store.fail(failed.reference_id, "no face")
+            await store.complete(failed.reference_id, {"late": True})
+            got = await store.get(failed.reference_id)
+            assert got is not None and (got.state, got.error, got.result) == (
+                TransactionState.FAILED,
+                "no face",
+                None,
+            )
+            assert got.client_reference is None
+
+            assert await store.count_by_state() == {"queued": 0, "processing": 0, "completed": 1, "failed": 1}
+            await store.ack([entries[0].entry_id])
+            assert await store.depth() == 1  # the failed one was never claimed nor acknowledged
+            assert await store.mark_processing("unknown") is None
+            await store.complete("unknown", {})  # ignored, no error
+        finally:
+            await redis.aclose()
+
+    run(scenario)
+
+
+def test_stale_entries_are_reclaimed_after_consumer_death(servers: EmbeddedServices) -> None:
+    async def scenario() -> None:
+        redis = connect_redis(str(servers.redis_url))
+        store = RedisTransactionStore(redis, prefix=prefix())
+        try:
+            txs = [make_tx() for _ in range(3)]
+            for tx in txs:
+                await store.create_and_enqueue(tx)
+            claimed_by_a = await store.claim("consumer-a", count=10, block_ms=100)
+            assert len(claimed_by_a) == 3  # ... and consumer A dies without acknowledging
+
+            assert await store.reclaim_stale("consumer-b", min_idle_ms=300, count=10) == []  # not idle yet
+            await asyncio.sleep(0.35)
+            reclaimed = await store.reclaim_stale("consumer-b", min_idle_ms=300, count=10)
+            assert {e.reference_id for e in reclaimed} == {tx.reference_id for tx in txs}
+            assert {e.deliveries for e in reclaimed} == {2}
+
+            # Not acknowledged again: each reclaim counts one more delivery, so poison can be failed.
+            await asyncio.sleep(0.35)
+            again = await store.reclaim_stale("consumer-c", min_idle_ms=300, count=2)
+            assert len(again) == 2 and {e.deliveries for e in again} == {3}
+
+            await store.ack([e.entry_id for e in reclaimed])
+            assert await store.depth() == 0
+            await asyncio.sleep(0.35)
+            assert await store.reclaim_stale("consumer-b", min_idle_ms=300, count=10) == []
+            assert await store.claim("consumer-b", count=10, block_ms=50) == []
+        finally:
+            await redis.aclose()
+
+    run(scenario)
+
+
+def test_claim_blocks_until_an_entry_arrives(servers: EmbeddedServices) -> None:
+    async def scenario() -> None:
+        redis = connect_redis(str(servers.redis_url), socket_timeout_s=1.5)  # block longer than a read
+        store = RedisTransactionStore(redis, prefix=prefix())
+        try:
+            started = time.monotonic()
+            assert await store.claim("w", count=1, block_ms=1200) == []
+            assert 1.1 < time.monotonic() - started < 2.5
+            tx = make_tx()
+            waiting = asyncio.create_task(store.claim("w", count=1, block_ms=3000))
+            await asyncio.sleep(0.1)
+            await store.create_and_enqueue(tx)
+            entries = await asyncio.wait_for(waiting, 5)
+            assert [e.reference_id for e in entries] == [tx.reference_id]
+        finally:
+            await redis.aclose()
+
+    run(scenario)
+
+
+def test_wait_final_latency_and_timeout(servers: EmbeddedServices) -> None:
+    async def scenario() -> None:
+        waiter_redis = connect_redis(str(servers.redis_url))
+        worker_redis = connect_redis(str(servers.redis_url))  # as in production: another connection
+        p = prefix()
+        waiters, worker = (
+            RedisTransactionStore(waiter_redis, prefix=p),
+            RedisTransactionStore(worker_redis, prefix=p),
+        )
+        try:
+            latencies = []
+            for _ in range(40):
+                tx = make_tx()
+                await waiters.create_and_enqueue(tx)
+                waiting = asyncio.create_task(waiters.wait_final(tx.reference_id, 5.0))
+                await asyncio.sleep(0.01)  # let it block
+                completed_at = time.perf_counter()
+                await worker.complete(tx.reference_id, {"ok": True})
+                final = await waiting
+                latencies.append((time.perf_counter() - completed_at) * 1000)
+                assert final is not None and final.state is TransactionState.COMPLETED
+            p50 = statistics.median(latencies)
+            p95 = sorted(latencies)[int(len(latencies) * 0.95) - 1]
+            n = len(latencies)
+            print(f"\nwait_final wake-up after complete(): p50 {p50:.2f} ms, p95 {p95:.2f} ms, n={n}")
+            assert p50 < 25
+
+            # Already final: immediate. Two waiters on one transaction: both wake.
+            tx = make_tx()
+            await waiters.create_and_enqueue(tx)
+            first = asyncio.create_task(waiters.wait_final(tx.reference_id, 5.0))
+            second = asyncio.create_task(waiters.wait_final(tx.reference_id, 5.0))
+            await asyncio.sleep(0.05)
+            await worker.fail(tx.reference_id, "boom")
+            done = await asyncio.wait_for(asyncio.gather(first, second), 2)
+            assert [t.state if t else None for t in done] == [TransactionState.FAILED] * 2
+            started = time.monotonic()
+            assert (await waiters.wait_final(tx.reference_id, 5.0)).state is TransactionState.FAILED  # type: ignore[union-attr]
+            assert time.monotonic() - started < 0.1
+
+            # Not final in time: the latest state after the timeout, longer than one blocking chunk.
+            slow = make_tx()
+            await waiters.create_and_enqueue(slow)
+            await worker.mark_processing(slow.reference_id)
+            started = time.monotonic()
+            latest = await waiters.wait_final(slow.reference_id, 0.5)
+            assert latest is not None and latest.state is TransactionState.PROCESSING
+            assert 0.45 < time.monotonic() - started < 1.5
+            assert await waiters.wait_final("unknown", 1.0) is None
+        finally:
+            await waiter_redis.aclose()
+            await worker_redis.aclose()
+
+    run(scenario)
+
+
+def test_finished_transactions_expire_when_configured(servers: EmbeddedServices) -> None:
+    async def scenario() -> None:
+        redis = connect_redis(str(servers.redis_url))
+        p = prefix()
+        store = RedisTransactionStore(redis, prefix=p, finished_ttl_s=60)
+        try:
+            tx = make_tx()
+            await store.create_and_enqueue(tx)
+            assert await redis.ttl(f"{p}tx:{tx.reference_id}") == -1
+            await store.complete(tx.reference_id, {})
+            assert 0 < await redis.ttl(f"{p}tx:{tx.reference_id}") <= 60
+        finally:
+            await redis.aclose()
+
+    run(scenario)
+
+
+def test_redis_restart_keeps_data_and_outage_is_backend_unavailable(tmp_path: Path) -> None:
+    server = EmbeddedRedis(tmp_path / "redis")
+    server.start()
+    try:
+
+        async def scenario() -> None:
+            redis = connect_redis(server.url, socket_timeout_s=1.0, connect_timeout_s=1.0)
+            store = RedisTransactionStore(redis)
+            try:
+                tx = make_tx()
+                await store.create_and_enqueue(tx)
+                await asyncio.to_thread(server.stop)
+
+                started = time.monotonic()
+                with pytest.raises(BackendUnavailable, match="Redis is unavailable"):
+                    await store.get(tx.reference_id)
+                assert time.monotonic() - started < 5
+
+                await asyncio.to_thread(server.start)  # same data dir, same port
+                assert await store.get(tx.reference_id) == tx  # the old client reconnects by itself
+                entries = await store.claim("w", count=5, block_ms=100)
+                assert [e.reference_id for e in entries] == [tx.reference_id]
+                assert await store.count_by_state() == {
+                    "queued": 1,
+                    "processing": 0,
+                    "completed": 0,
+                    "failed": 0,
+                }
+            finally:
+                await redis.aclose()
+
+        run(scenario)
+    finally:
+        server.stop()
+
+
+def test_redis_down_fails_fast_in_every_store() -> None:
+    async def scenario() -> None:
+        redis = connect_redis(f"redis://127.0.0.1:{free_port()}/0", socket_timeout_s=1, connect_timeout_s=1)
+        tx_store = RedisTransactionStore(redis)
+        records = RedisFaceRecordStore(redis)
+        clients = RedisClientStore(redis, pepper=PEPPER)
+        limiter = RedisRateLimiter(redis)
+        calls: list[Callable[[], Awaitable[Any]]] = [
+            lambda: tx_store.create_and_enqueue(make_tx()),
+            lambda: tx_store.get("x"),
+            lambda: tx_store.mark_processing("x"),
+            lambda: tx_store.complete("x", {}),
+            lambda: tx_store.wait_final("x", 1),
+            lambda: tx_store.claim("w", 1, 100),
+            lambda: tx_store.reclaim_stale("w", 10, 1),
+            lambda: tx_store.ack(["1-0"]),
+            lambda: tx_store.depth(),
+            lambda: records.get("t", "f"),
+            lambda: records.all_face_ids(),
+            lambda: clients.create("x"),
+            lambda: clients.find_by_secret("s"),
+            lambda: limiter.hit("k", 1, 1),
+        ]
+        try:
+            for call in calls:
+                started = time.monotonic()
+                with pytest.raises(BackendUnavailable, match="Redis is unavailable"):
+                    await call()
+                assert time.monotonic() - started < 5
+            with pytest.raises(BackendUnavailable):
+                async with records.reference_lock("t", "r", 1.0):
+                    pass
+        finally:
+            await redis.aclose()
+
+    run(scenario)
+
+
+# -- face records ----------------------------------------------------------------------------------------
+
+
+def face_record(tenant: str, reference: str | None, created_at: float) -> FaceRecord:
+    return FaceRecord(
+        face_id=uuid.uuid4().hex,
+        tenant_id=tenant,
+        client_reference=reference,
+        proof_key=f"proofs/{uuid.uuid4().hex}",
+        model_version="dlib-resnet-v1",
+        created_at=created_at,
+        reference_id=new_reference_id(),
+    )
+
+
+def test_face_records(servers: EmbeddedServices) -> None:
+    async def scenario() -> None:
+        redis = connect_redis(str(servers.redis_url))
+        store = RedisFaceRecordStore(redis, prefix=prefix())
+        try:
+            reference = 'emp:42 "Ann" \\ O\'Neil'
+            old = face_record("tenant-a", reference, 1000.0)
+            new = face_record("tenant-a", reference, 2000.0)
+            other = face_record("tenant-a", None, 1500.0)
+            foreign = face_record("tenant-b", reference, 3000.0)
+            for record in (old, new, other, foreign):
+                await store.put(record)
+
+            assert await store.get("tenant-a", old.face_id) == old
+            assert await store.get("tenant-b", old.face_id) is None  # tenant-scoped
+            assert await store.get_many("tenant-a", [old.face_id, foreign.face_id, "nope"]) == {
+                old.face_id: old
+            }
+            assert await store.latest_for_reference("tenant-a", reference) == new
+            assert await store.latest_for_reference("tenant-b", reference) == foreign
+            assert await store.latest_for_reference("tenant-a", "unknown") is None
+
+            assert await store.all_face_ids("tenant-a") == {
+                ("tenant-a", r.face_id) for r in (old, new, other)
+            }
+            everything = await store.all_face_ids()
+            assert {("tenant-b", foreign.face_id), ("tenant-a", old.face_id)} <= everything
+
+            await store.delete("tenant-a", new.face_id)
+            assert await store.latest_for_reference("tenant-a", reference) == old
+
+            # Re-put under another reference: the old reference no longer finds it.
+            moved = FaceRecord(**{**old.__dict__, "client_reference": "other", "created_at": 5000.0})
+            await store.put(moved)
+            assert await store.latest_for_reference("tenant-a", reference) is None
+            assert await store.latest_for_reference("tenant-a", "other") == moved
+            await store.put(old)
+            await store.delete("tenant-a", new.face_id)  # idempotent
+            assert await store.all_face_ids("tenant-a") == {("tenant-a", r.face_id) for r in (old, other)}
+        finally:
+            await redis.aclose()
+
+    run(scenario)
+
+
+def test_reference_lock_serialises_and_times_out(servers: EmbeddedServices) -> None:
+    async def scenario() -> None:
+        redis = connect_redis(str(servers.redis_url))
+        store = RedisFaceRecordStore(redis, prefix=prefix())
+        events: list[str] = []
+
+        async def holder(name: str, hold_s: float) -> None:
+            async with store.reference_lock("tenant-a", "ref-1", 2.0):
+                events.append(f"{name} in")
+                await asyncio.sleep(hold_s)
+                events.append(f"{name} out")
+
+        try:
+            await asyncio.gather(holder("a", 0.2), holder("b", 0.0))
+            assert events in (["a in", "a out", "b in", "b out"], ["b in", "b out", "a in", "a out"])
+
+            # Another reference is independent.
+            async with store.reference_lock("tenant-a", "ref-1", 2.0):
+                async with store.reference_lock("tenant-a", "ref-2", 0.5):
+                    pass
+                started = time.monotonic()
+                with pytest.raises(BackendUnavailable, match="lock"):
+                    async with store.reference_lock("tenant-a", "ref-1", 0.3):
+                        pass
+                assert time.monotonic() - started < 2
+        finally:
+            await redis.aclose()
+
+    run(scenario)
+
+
+# -- clients and rate limits -----------------------------------------------------------------------------
+
+
+def test_client_store_never_stores_the_secret(servers: EmbeddedServices) -> None:
+    async def scenario() -> None:
+        redis = connect_redis(str(servers.redis_url))
+        p = prefix()
+        store = RedisClientStore(redis, pepper=PEPPER, prefix=p)
+        try:
+            info, secret = await store.create("Acme kiosk")
+            assert info.client_id.startswith("cl_") and len(secret) >= 43 and not info.revoked
+            other, other_secret = await store.create("Other")
+
+            assert await store.verify(info.client_id, secret) == info
+            assert await store.verify(info.client_id, other_secret) is None
+            assert await store.verify("cl_unknown", secret) is None
+            assert await store.find_by_secret(secret) == info
+            assert await store.find_by_secret(secret + "x") is None
+            assert await store.get(info.client_id) == info
+            assert [c.client_id for c in await store.list()] == [info.client_id, other.client_id]
+
+            # No key name or value under our prefix contains either plaintext secret.
+            dumped: list[str] = []
+            async for key in redis.scan_iter(match=f"{p}*"):
+                dumped.append(text(key))
+                kind = text(await redis.type(key))
+                if kind == "string":
+                    dumped.append(text(await redis.get(key) or ""))
+                elif kind == "hash":
+                    dumped.extend(f"{k}={v}" for k, v in text_map(await redis.hgetall(key)).items())
+                elif kind == "zset":
+                    dumped.extend(text(member) for member in await redis.zrange(key, 0, -1))
+                else:
+                    raise AssertionError(f"unexpected {kind} at {key}")
+            assert dumped and not any(secret in item or other_secret in item for item in dumped)
+
+            assert await store.revoke(info.client_id) is True
+            assert await store.revoke("cl_unknown") is False
+            assert await store.verify(info.client_id, secret) is None
+            assert await store.find_by_secret(secret) is None
+            revoked = await store.get(info.client_id)
+            assert revoked is not None and revoked.revoked
+            assert await store.find_by_secret(other_secret) == other
+
+            # A different pepper (another deployment's key) recognises nothing.
+            assert (
+                await RedisClientStore(redis, pepper=PEPPER + "!", prefix=p).find_by_secret(other_secret)
+                is None
+            )
+        finally:
+            await redis.aclose()
+
+    run(scenario)
+
+
+def test_rate_limiter(servers: EmbeddedServices) -> None:
+    async def scenario() -> None:
+        redis = connect_redis(str(servers.redis_url))
+        limiter = RedisRateLimiter(redis, prefix=prefix())
+        try:
+            assert [await limiter.hit("k", 3, 1) for _ in range(3)] == [0, 0, 0]
+            assert await limiter.peek("k", 3, 1) == 1
+            assert await limiter.hit("k", 3, 1) == 1
+            assert await limiter.hit("other", 3, 1) == 0
+            await limiter.reset("k")
+            assert await limiter.peek("k", 3, 1) == 0
+            assert await limiter.hit("k", 1, 1) == 0
+            assert await limiter.hit("k", 1, 1) == 1
+            await asyncio.sleep(1.1)  # the window ends
+            assert await limiter.hit("k", 1, 1) == 0
+            assert 1 <= await limiter.hit("long", 0, 60) <= 60
+        finally:
+            await redis.aclose()
+
+    run(scenario)
+
+
+# -- gallery ---------------------------------------------------------------------------------------------
+
+
+def gallery(servers: EmbeddedServices, **options: Any) -> MilvusGalleryStore:
+    return MilvusGalleryStore(str(servers.milvus_uri), collection=f"faces_{uuid.uuid4().hex[:8]}", **options)
+
+
+def test_gallery_add_search_isolation_delete(servers: EmbeddedServices) -> None:
+    async def scenario() -> None:
+        store = gallery(servers)
+        rng = np.random.default_rng(7)
+        try:
+            tricky = 'he said "hi" \\ and \'bye\' \\" ) or tenant_id != "'
+            a = [GalleryEntry(uuid.uuid4().hex, "tenant-a", ref, "v1", vector(rng), time.time())
+                 for ref in (tricky, None, "plain")]  # fmt: skip
+            b = [
+                GalleryEntry(uuid.uuid4().hex, "tenant-b", "plain", "v1", a[0].embedding.copy(), time.time())
+            ]
+            await store.add(a[:1])
+            # Visible to the very next search (Strong consistency).
+            first = await store.search("tenant-a", a[0].embedding, 5, 0.6)
+            assert [(m.face_id, m.client_reference) for m in first] == [(a[0].face_id, tricky)]
+            assert first[0].distance == pytest.approx(0.0, abs=1e-3)
+
+            await store.add(a[1:] + b)
+            await store.add(a[1:2])  # re-adding replaces, no duplicate
+            assert await store.count() == 4
+
+            probe = a[1].embedding + rng.standard_normal(128).astype(np.float32) * 0.01
+            matches = await store.search("tenant-a", probe, 10, 100.0)
+            assert matches[0].face_id == a[1].face_id
+            assert {m.face_id for m in matches} == {e.face_id for e in a}  # never tenant-b's twin
+            assert matches[0].client_reference is None
+            expected = float(np.linalg.norm(probe - a[1].embedding))
+            assert matches[0].distance == pytest.approx(expected, rel=1e-3)  # Euclidean, not squared
+            assert [m.distance for m in matches] == sorted(m.distance for m in matches)
+            assert await store.search("tenant-a", probe, 10, expected * 1.01) == matches[:1]
+            assert await store.search("tenant-c", probe, 10, 100.0) == []
+            assert await store.search("tenant-a", probe, 0, 100.0) == []
+
+            assert await store.all_face_ids("tenant-b") == {("tenant-b", b[0].face_id)}
+            assert await store.all_face_ids() == {(e.tenant_id, e.face_id) for e in a + b}
+
+            await store.delete("tenant-b", [a[0].face_id])  # another tenant's id: nothing happens
+            assert await store.count() == 4
+            await store.delete("tenant-a", [a[0].face_id, a[2].face_id])
+            assert [m.face_id for m in await store.search("tenant-a", probe, 10, 100.0)] == [a[1].face_id]
+            assert await store.count() == 2
+
+            with pytest.raises(ValueError):
+                await store.search('tenant-a" or tenant_id != "x', probe, 10, 100.0)
+            with pytest.raises(ValueError):
+                await store.add([GalleryEntry("f", "tenant-a", None, "v1", np.zeros(64, np.float32), 0.0)])
+        finally:
+            await store.close()
+
+    run(scenario)
+
+
+def test_milvus_restart_keeps_vectors_and_outage_is_backend_unavailable(tmp_path: Path) -> None:
+    server = EmbeddedMilvus(tmp_path / "milvus")
+    server.start()
+    try:
+
+        async def scenario() -> None:
+            store = MilvusGalleryStore(server.uri, timeout_s=2.0)
+            entry = GalleryEntry(
+                "face-1", "tenant-a", "ref", "v1", vector(np.random.default_rng(1)), time.time()
+            )
+            try:
+                await store.add([entry])
+                await asyncio.to_thread(server.stop)
+                started = time.monotonic()
+                with pytest.raises(BackendUnavailable, match="Milvus is unavailable"):
+                    await store.search("tenant-a", entry.embedding, 1, 1.0)
+                assert time.monotonic() - started < 5
+
+                await asyncio.to_thread(server.start)  # same data dir, same port
+                # The same store recovers at once; the vector inserted before the restart is there.
+                matches = await store.search("tenant-a", entry.embedding, 1, 1.0)
+                assert [m.face_id for m in matches] == ["face-1"]
+            finally:
+                await store.close()
+
+        run(scenario)
+    finally:
+        server.stop()
+
+
+def test_milvus_unreachable_fails_fast() -> None:
+    async def scenario() -> None:
+        store = MilvusGalleryStore(f"http://127.0.0.1:{free_port()}", timeout_s=2.0)
+        for call in (
+            lambda: store.search("tenant-a", np.zeros(128, np.float32), 5, 1.0),
+            lambda: store.count(),
+            lambda: store.all_face_ids(),
+        ):
+            started = time.monotonic()
+            with pytest.raises(BackendUnavailable, match="Milvus is unavailable"):
+                await call()
+            assert time.monotonic() - started < 5
+
+    run(scenario)
+
+
+# -- blobs -----------------------------------------------------------------------------------------------
+
+
+def test_local_blob_store(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        store = LocalBlobStore(tmp_path / "blobs")
+        await store.put("uploads/tenant-a/abc_123", b"\xff\xd8jpeg", "image/jpeg")
+        assert await store.get("uploads/tenant-a/abc_123") == (b"\xff\xd8jpeg", "image/jpeg")
+        await store.put("uploads/tenant-a/abc_123", b"png", "image/png")  # replaced atomically
+        assert await store.get("uploads/tenant-a/abc_123") == (b"png", "image/png")
+        assert await store.get("uploads/missing") is None
+        with pytest.raises(ValueError):
+            await store.put("uploads/x", b"x", "text/plain\r\nX-Injected: 1")
+        await store.delete("uploads/tenant-a/abc_123")
+        await store.delete("uploads/tenant-a/abc_123")  # idempotent
+        assert await store.get("uploads/tenant-a/abc_123") is None
+
+        bad_keys = ("../etc/passwd", "a/../../b", "/etc/passwd", "a//b", "a/", "", "a\\b", "a/./b", "x\x00")
+        for bad in (*bad_keys, "é", "a" * 600):
+            with pytest.raises(ValueError):
+                await store.put(bad, b"x", "text/plain")
+            with pytest.raises(ValueError):
+                await store.get(bad)
+        leftovers = [p for p in (tmp_path / "blobs").rglob("*") if p.is_file()]
+        assert leftovers == []  # nothing written, no temp files left
+        assert not (tmp_path / "etc").exists()
+
+    run(scenario)

@@ -1,0 +1,391 @@
+"""The REST interface end to end over fake stores: create, result states and shapes, proofs, tenancy."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from serve_app.domain.transactions import TransactionKind, TransactionState
+from serve_app.pipelines.processing import enrolled_face_id
+from serve_app.pipelines.worker import QueueWorker, WorkerPolicy
+from tests.unit.fakes import Api, Color, World, build_api, embedding, face, solid_png
+
+RED: Color = (200, 30, 30)
+GREEN: Color = (30, 200, 30)
+BLUE: Color = (30, 30, 200)
+
+
+def png_upload(color: Color, name: str = "face.png") -> dict[str, tuple[str, bytes, str]]:
+    return {"file": (name, solid_png(color), "image/png")}
+
+
+async def create_search(
+    api: Api, http: httpx.AsyncClient, color: Color, client_reference: str | None = None
+) -> str:
+    data = {"type": "face_search"}
+    if client_reference is not None:
+        data["client_reference"] = client_reference
+    response = await http.post("/face-search", data=data, files=png_upload(color), headers=api.headers())
+    assert response.status_code == 200, response.text
+    return str(response.json()["result"]["data"]["reference_id"])
+
+
+async def create_age(api: Api, http: httpx.AsyncClient, color: Color, **fields: str) -> httpx.Response:
+    return await http.post(
+        "/age-estimation",
+        data={"type": "age_estimation", **fields},
+        files=png_upload(color),
+        headers=api.headers(),
+    )
+
+
+async def result(api: Api, http: httpx.AsyncClient, reference_id: str, client_id: str | None = None) -> Any:
+    return await http.post("/result", json={"reference_id": reference_id}, headers=api.headers(client_id))
+
+
+def test_create_face_search_answers_the_create_envelope_and_persists_the_transaction() -> None:
+    async def scenario() -> None:
+        api = await build_api()
+        async with api.http() as http:
+            response = await http.post(
+                "/face-search",
+                data={"type": "face_search", "client_reference": "customer-1", "allow_override": "1"},
+                files=png_upload(RED),
+                headers=api.headers(),
+            )
+            assert response.status_code == 200
+            body = response.json()
+            assert set(body) == {"status", "message", "result"}
+            assert body["status"] is True and body["message"]
+            assert set(body["result"]) == {"data"} and set(body["result"]["data"]) == {"reference_id"}
+            reference_id = body["result"]["data"]["reference_id"]
+
+            uri = "data:image/png;base64," + base64.b64encode(solid_png(GREEN)).decode()
+            json_response = await http.post(
+                "/face-search",
+                json={"type": "face_search", "file": uri, "enroll_face": False, "allow_override": 0},
+                headers=api.headers(),
+            )
+            assert json_response.status_code == 200, json_response.text
+            other_id = json_response.json()["result"]["data"]["reference_id"]
+
+        tx = api.world.transactions.peek(reference_id)
+        assert tx.kind is TransactionKind.FACE_SEARCH
+        assert tx.state is TransactionState.QUEUED
+        assert tx.tenant_id == api.client_id
+        assert (tx.client_reference, tx.allow_override, tx.enroll_face) == ("customer-1", True, True)
+        assert api.world.blobs.items[tx.image_key] == (solid_png(RED), "image/png")
+        other = api.world.transactions.peek(other_id)
+        assert (other.client_reference, other.allow_override, other.enroll_face) == (None, False, False)
+        assert api.world.queue.undelivered == 2
+
+    asyncio.run(scenario())
+
+
+def test_a_pending_result_is_202_with_its_state_and_retry_after() -> None:
+    async def scenario() -> None:
+        api = await build_api()
+        async with api.http() as http:
+            reference_id = await create_search(api, http, RED)
+            queued = await result(api, http, reference_id)
+            assert queued.status_code == 202
+            assert queued.headers["Retry-After"] == "1"
+            assert queued.json()["status"] is True
+            assert queued.json()["result"]["data"] == {"reference_id": reference_id, "state": "queued"}
+
+            await api.world.transactions.mark_processing(reference_id)
+            processing = await result(api, http, reference_id)
+            assert processing.status_code == 202
+            assert processing.json()["result"]["data"] == {
+                "reference_id": reference_id,
+                "state": "processing",
+            }
+
+    asyncio.run(scenario())
+
+
+def test_a_final_face_search_result_has_exactly_the_interface_fields() -> None:
+    async def scenario() -> None:
+        api = await build_api()
+        probe = embedding(1)
+        api.world.analysis.faces_by_color[RED] = [face(probe)]
+        api.world.analysis.faces_by_color[BLUE] = [face(probe)]
+        async with api.http() as http:
+            enrolled_ref = await create_search(api, http, RED, client_reference="customer-1")
+            await api.world.processor().process(enrolled_ref)
+            probe_ref = await create_search(api, http, BLUE, client_reference="customer-2")
+            await api.world.processor().process(probe_ref)
+
+            before = int(time.time())
+            response = await result(api, http, probe_ref)
+            assert response.status_code == 200, response.text
+            body = response.json()
+            assert set(body) == {"status", "message", "result"}
+            assert body["status"] is True
+            assert set(body["result"]) == {"data"}
+            data = body["result"]["data"]
+            assert set(data) == {"service_reference_id", "client_reference", "face_search_response"}
+            assert data["service_reference_id"] == probe_ref
+            assert data["client_reference"] == "customer-2"
+            assert set(data["face_search_response"]) == {"result"}
+            outcome = data["face_search_response"]["result"]
+            assert set(outcome) == {"matched_faces", "is_face_found"}
+            assert outcome["is_face_found"] is True
+            [entry] = outcome["matched_faces"]
+            assert isinstance(entry, list) and len(entry) == 4
+            face_id, score, url, client_reference = entry
+            assert face_id == enrolled_face_id(enrolled_ref)
+            assert isinstance(score, float) and 0.5 <= score <= 1.0
+            assert client_reference == "customer-1"
+            prefix = "http://testserver/get-proof/"
+            assert url.startswith(prefix)
+            claims = api.signer.verify_proof(url[len(prefix) :])
+            assert (claims.tenant_id, claims.face_id) == (api.client_id, face_id)
+            assert before + 900 <= claims.expires_at <= int(time.time()) + 900  # 15 minutes from issue
+
+            proof = await http.get(url)  # the URL alone is the credential
+            assert proof.status_code == 200
+            assert proof.content == solid_png(RED)
+            assert proof.headers["content-type"] == "image/png"
+            assert proof.headers["cache-control"].startswith("private, max-age=")
+            assert 0 < int(proof.headers["cache-control"].rsplit("=", 1)[1]) <= 900
+
+    asyncio.run(scenario())
+
+
+def test_proof_urls_use_the_public_base_url_when_configured() -> None:
+    async def scenario() -> None:
+        api = await build_api(public_base_url="https://faces.example.com/api")
+        api.world.analysis.faces_by_color[RED] = [face(embedding(1))]
+        async with api.http() as http:
+            first = await create_search(api, http, RED)
+            await api.world.processor().process(first)
+            second = await create_search(api, http, RED)
+            await api.world.processor().process(second)
+            response = await result(api, http, second)
+        [entry] = response.json()["result"]["data"]["face_search_response"]["result"]["matched_faces"]
+        assert entry[2].startswith("https://faces.example.com/api/get-proof/")
+        assert entry[3] == ""  # enrolled without a client_reference
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("faces", "is_face_found"),
+    [pytest.param(True, True, id="face, no match"), pytest.param(False, False, id="no face")],
+)
+def test_a_search_without_matches_has_an_empty_list(faces: bool, is_face_found: bool) -> None:
+    async def scenario() -> None:
+        api = await build_api()
+        if faces:
+            api.world.analysis.faces_by_color[RED] = [face(embedding(1))]
+        async with api.http() as http:
+            reference_id = await create_search(api, http, RED)
+            await api.world.processor().process(reference_id)
+            response = await result(api, http, reference_id)
+        assert response.status_code == 200
+        data = response.json()["result"]["data"]
+        assert data["client_reference"] == ""
+        assert data["face_search_response"] == {
+            "result": {"matched_faces": [], "is_face_found": is_face_found}
+        }
+
+    asyncio.run(scenario())
+
+
+def test_a_final_age_result_has_exactly_the_interface_fields() -> None:
+    async def scenario() -> None:
+        api = await build_api()
+        api.world.analysis.faces_by_color[GREEN] = [face(embedding(2), age=19)]
+        async with api.http() as http:
+            created = await create_age(api, http, GREEN, enroll_face="0")
+            reference_id = created.json()["result"]["data"]["reference_id"]
+            await api.world.processor().process(reference_id)
+            response = await result(api, http, reference_id)
+        assert response.status_code == 200
+        body = response.json()
+        assert body["status"] is True
+        assert body["result"]["data"] == {
+            "reference_id": reference_id,
+            "age": 19,
+            "under_18": 50,
+            "under_21": 50,
+        }
+        assert all(type(body["result"]["data"][key]) is int for key in ("age", "under_18", "under_21"))
+        assert api.world.gallery.face_ids() == set()
+
+    asyncio.run(scenario())
+
+
+def test_an_age_result_without_a_face_has_nulls() -> None:
+    async def scenario() -> None:
+        api = await build_api()
+        async with api.http() as http:
+            created = await create_age(api, http, GREEN)
+            reference_id = created.json()["result"]["data"]["reference_id"]
+            await api.world.processor().process(reference_id)
+            response = await result(api, http, reference_id)
+        assert response.json()["result"]["data"] == {
+            "reference_id": reference_id,
+            "age": None,
+            "under_18": None,
+            "under_21": None,
+        }
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_transaction_answers_the_error_envelope() -> None:
+    async def scenario() -> None:
+        api = await build_api()
+        async with api.http() as http:
+            reference_id = await create_search(api, http, RED)
+            tx = api.world.transactions.peek(reference_id)
+            del api.world.blobs.items[tx.image_key]  # the stored upload is gone: processing must fail
+            await api.world.processor().process(reference_id)
+            response = await result(api, http, reference_id)
+        assert response.status_code == 200
+        body = response.json()
+        assert set(body) == {"status", "message", "errors", "result"}
+        assert body["status"] is False
+        assert "failed" in body["message"]
+        assert body["errors"] == {"transaction": "The uploaded image is no longer available."}
+        assert body["result"] == {"data": {"reference_id": reference_id, "state": "failed"}}
+
+    asyncio.run(scenario())
+
+
+def test_another_tenants_reference_id_is_422_exactly_like_an_unknown_one() -> None:
+    async def scenario() -> None:
+        api = await build_api()
+        other_client, _ = await api.new_client("tenant-b")
+        api.world.analysis.faces_by_color[RED] = [face(embedding(1))]
+        async with api.http() as http:
+            reference_id = await create_search(api, http, RED, client_reference="customer-1")
+            await api.world.processor().process(reference_id)
+            foreign = await result(api, http, reference_id, client_id=other_client)
+            unknown = await result(api, http, "0" * 32, client_id=other_client)
+            own = await result(api, http, reference_id)
+        assert foreign.status_code == 422
+        assert unknown.status_code == 422
+        assert foreign.json() == unknown.json()
+        assert foreign.json()["status"] is False
+        assert reference_id not in foreign.text and "customer-1" not in foreign.text
+        assert own.status_code == 200
+
+    asyncio.run(scenario())
+
+
+def test_wait_for_result_returns_the_age_result_when_it_is_ready_in_time() -> None:
+    async def scenario() -> None:
+        world = World()
+        world.analysis.faces_by_color[GREEN] = [face(embedding(2), age=34)]
+        api = await build_api(world, wait_for_result_timeout_s=5.0)
+        policy = WorkerPolicy(concurrency=2, claim_block_ms=5, reclaim_every_s=0.05, backoff_s=0.01)
+        worker = QueueWorker("worker-1", world.queue, world.transactions, world.processor(), policy)
+        stop = asyncio.Event()
+        task = asyncio.create_task(worker.run(stop))
+        try:
+            async with api.http() as http:
+                started = time.monotonic()
+                response = await create_age(api, http, GREEN, wait_for_result="1")
+                elapsed = time.monotonic() - started
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 5)
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["status"] is True
+        data = body["result"]["data"]
+        assert set(data) == {"reference_id", "age", "under_18", "under_21"}
+        assert (data["age"], data["under_18"], data["under_21"]) == (34, 0, 0)
+        assert world.transactions.peek(data["reference_id"]).state is TransactionState.COMPLETED
+        assert elapsed < 4.0
+
+    asyncio.run(scenario())
+
+
+def test_wait_for_result_answers_202_when_the_result_is_not_ready_in_time() -> None:
+    async def scenario() -> None:
+        api = await build_api(wait_for_result_timeout_s=0.2)  # no worker runs: nothing gets finalised
+        async with api.http() as http:
+            started = time.monotonic()
+            response = await create_age(api, http, GREEN, wait_for_result="1")
+            elapsed = time.monotonic() - started
+        assert response.status_code == 202
+        assert response.headers["Retry-After"] == "1"
+        data = response.json()["result"]["data"]
+        assert data["state"] == "queued"
+        assert api.world.transactions.peek(data["reference_id"]).state is TransactionState.QUEUED
+        assert 0.2 <= elapsed < 3.0
+
+    asyncio.run(scenario())
+
+
+def test_without_wait_for_result_the_age_create_call_answers_at_once() -> None:
+    async def scenario() -> None:
+        api = await build_api(wait_for_result_timeout_s=5.0)
+        async with api.http() as http:
+            started = time.monotonic()
+            response = await create_age(api, http, GREEN, wait_for_result="0")
+            elapsed = time.monotonic() - started
+        assert response.status_code == 200
+        assert set(response.json()["result"]["data"]) == {"reference_id"}
+        assert elapsed < 2.0
+
+    asyncio.run(scenario())
+
+
+def test_client_secret_header_and_form_bodies_work_on_result() -> None:
+    async def scenario() -> None:
+        api = await build_api()
+        async with api.http() as http:
+            reference_id = await create_search(api, http, RED)
+            response = await http.post(
+                "/result", data={"reference_id": reference_id}, headers={"Client-Secret": api.client_secret}
+            )
+        assert response.status_code == 202
+        assert response.json()["result"]["data"]["reference_id"] == reference_id
+
+    asyncio.run(scenario())
+
+
+def test_searches_never_cross_tenants() -> None:
+    async def scenario() -> None:
+        api = await build_api()
+        other_client, _ = await api.new_client("tenant-b")
+        api.world.analysis.faces_by_color[RED] = [face(embedding(1))]
+        async with api.http() as http:
+            mine = await create_search(api, http, RED)
+            await api.world.processor().process(mine)
+            response = await http.post(
+                "/face-search",
+                data={"type": "face_search"},
+                files=png_upload(RED),
+                headers=api.headers(other_client),
+            )
+            theirs = response.json()["result"]["data"]["reference_id"]
+            await api.world.processor().process(theirs)
+            answer = await result(api, http, theirs, client_id=other_client)
+        assert answer.json()["result"]["data"]["face_search_response"]["result"] == {
+            "matched_faces": [],
+            "is_face_found": True,
+        }
+
+    asyncio.run(scenario())
+
+
+def test_healthz_needs_no_credentials() -> None:
+    async def scenario() -> None:
+        api = await build_api()
+        async with api.http() as http:
+            response = await http.get("/healthz")
+        assert response.status_code == 200
+        assert response.json() == {"status": True}
+
+    asyncio.run(scenario())

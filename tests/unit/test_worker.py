@@ -1,0 +1,242 @@
+"""QueueWorker over the fake consumer-group queue: claim, process, ack, reclaim, poison entries, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import pytest
+
+from serve_app.domain.transactions import Transaction, TransactionState
+from serve_app.pipelines.commands import FaceSearchCommand
+from serve_app.pipelines.worker import QueueWorker, WorkerPolicy
+from tests.unit.fakes import Color, ManualClock, World, embedding, face, solid_png, wait_until
+
+TENANT = "tenant-a"
+RED: Color = (200, 30, 30)
+
+FAST = WorkerPolicy(
+    concurrency=4,
+    stale_after_s=30.0,
+    max_deliveries=3,
+    claim_block_ms=5,
+    reclaim_every_s=0.01,
+    backoff_s=0.01,
+)
+
+
+def new_world() -> World:
+    world = World(queue_clock=ManualClock())
+    world.analysis.faces_by_color[RED] = [face(embedding(1))]
+    return world
+
+
+def make_worker(world: World, policy: WorkerPolicy = FAST, consumer: str = "worker-1") -> QueueWorker:
+    return QueueWorker(consumer, world.queue, world.transactions, world.processor(), policy)
+
+
+async def submit(world: World, color: Color = RED) -> Transaction:
+    command = FaceSearchCommand(TENANT, solid_png(color), None, allow_override=False, enroll_face=True)
+    return await world.transaction_service().create_face_search(command)
+
+
+@contextlib.asynccontextmanager
+async def running(worker: QueueWorker) -> AsyncIterator[asyncio.Event]:
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    try:
+        yield stop
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+
+
+def state(world: World, tx: Transaction) -> TransactionState:
+    return world.transactions.peek(tx.reference_id).state
+
+
+def test_processes_and_acknowledges_every_entry() -> None:
+    async def scenario() -> None:
+        world = new_world()
+        transactions = [await submit(world) for _ in range(6)]
+        worker = make_worker(world)
+        async with running(worker):
+            await wait_until(lambda: len(world.queue.acked) == 6, what="six acknowledgements")
+        assert all(state(world, tx) is TransactionState.COMPLETED for tx in transactions)
+        assert sorted(world.queue.acked) == sorted(world.transactions.entry_of.values())
+        assert await world.queue.depth() == 0
+        assert worker.processed == 6
+        assert worker.in_flight == 0
+
+    asyncio.run(scenario())
+
+
+def test_never_runs_more_than_concurrency_transactions_at_once() -> None:
+    async def scenario() -> None:
+        world = new_world()
+        world.analysis.gate = asyncio.Event()
+        transactions = [await submit(world) for _ in range(5)]
+        worker = make_worker(world, WorkerPolicy(**{**FAST.__dict__, "concurrency": 2}))
+        async with running(worker):
+            await wait_until(lambda: world.analysis.started == 2, what="two transactions in analysis")
+            await asyncio.sleep(0.05)
+            assert world.analysis.started == 2
+            assert worker.in_flight == 2
+            assert world.queue.undelivered == 3
+            world.analysis.gate.set()
+            await wait_until(lambda: len(world.queue.acked) == 5, what="all acknowledged")
+        assert all(state(world, tx) is TransactionState.COMPLETED for tx in transactions)
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_attempt_stays_pending_until_reclaimed_then_completes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def scenario() -> None:
+        world = new_world()
+        assert isinstance(world.queue_clock, ManualClock)
+        world.analysis.failures.append(RuntimeError("model replica died"))
+        tx = await submit(world)
+        entry_id = world.transactions.entry_of[tx.reference_id]
+        worker = make_worker(world)
+        async with running(worker):
+            await wait_until(
+                lambda: len(world.analysis.calls) == 1 and worker.in_flight == 0, what="attempt 1"
+            )
+            await asyncio.sleep(0.05)  # several reclaim rounds, but the entry is not idle long enough yet
+            assert world.queue.acked == []
+            assert world.queue.pending == {entry_id: 1}
+            assert state(world, tx) is TransactionState.PROCESSING
+            assert len(world.analysis.calls) == 1
+
+            world.queue_clock.advance(FAST.stale_after_s)
+            await wait_until(lambda: world.queue.acked == [entry_id], what="the retried entry acknowledged")
+        final = world.transactions.peek(tx.reference_id)
+        assert final.state is TransactionState.COMPLETED
+        assert final.attempts == 2
+        assert [entry.deliveries for entry in world.queue.deliveries] == [1, 2]
+        assert world.queue.pending == {}
+        assert worker.processed == 1
+
+    with caplog.at_level(logging.ERROR, logger="serve_app.pipelines.worker"):
+        asyncio.run(scenario())
+    assert "will retry" in caplog.text
+
+
+def test_an_entry_delivered_more_than_max_deliveries_fails_its_transaction_and_is_acked() -> None:
+    async def scenario() -> None:
+        world = new_world()
+        assert isinstance(world.queue_clock, ManualClock)
+        world.analysis.failures.extend(RuntimeError(f"boom {n}") for n in range(10))
+        tx = await submit(world)
+        entry_id = world.transactions.entry_of[tx.reference_id]
+        worker = make_worker(world)
+        async with running(worker):
+            for attempt in range(1, FAST.max_deliveries + 1):
+                await wait_until(
+                    lambda n=attempt: len(world.analysis.calls) == n and worker.in_flight == 0,
+                    what=f"attempt {attempt}",
+                )
+                world.queue_clock.advance(FAST.stale_after_s)
+            await wait_until(lambda: world.queue.acked == [entry_id], what="the poison entry acknowledged")
+        final = world.transactions.peek(tx.reference_id)
+        assert final.state is TransactionState.FAILED
+        assert final.error == "The transaction could not be processed."
+        assert len(world.analysis.calls) == FAST.max_deliveries  # not processed a fourth time
+        assert [entry.deliveries for entry in world.queue.deliveries] == [1, 2, 3, 4]
+        assert await world.queue.depth() == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_poison_entry_never_overwrites_a_transaction_that_already_completed() -> None:
+    async def scenario() -> None:
+        world = new_world()
+        assert isinstance(world.queue_clock, ManualClock)
+        tx = await submit(world)
+        entry_id = world.transactions.entry_of[tx.reference_id]
+        world.faults.arm("queue.ack", times=FAST.max_deliveries)  # completes, but every ack is lost
+        worker = make_worker(world)
+        async with running(worker):
+            for delivery in range(1, FAST.max_deliveries + 1):
+                await wait_until(
+                    lambda n=delivery: len(world.queue.deliveries) == n and worker.in_flight == 0,
+                    what=f"delivery {delivery}",
+                )
+                world.queue_clock.advance(FAST.stale_after_s)
+            await wait_until(lambda: world.queue.acked == [entry_id], what="acknowledged at last")
+        final = world.transactions.peek(tx.reference_id)
+        assert final.state is TransactionState.COMPLETED
+        assert final.error is None
+        assert len(world.analysis.calls) == 1  # redeliveries of a final transaction do no work
+
+    asyncio.run(scenario())
+
+
+def test_backend_unavailable_from_claim_is_retried_after_the_backoff() -> None:
+    async def scenario() -> None:
+        world = new_world()
+        world.faults.arm("queue.claim", times=3)
+        world.faults.arm("queue.reclaim_stale", times=1)
+        tx = await submit(world)
+        policy = WorkerPolicy(**{**FAST.__dict__, "backoff_s": 0.05})
+        worker = make_worker(world, policy)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        async with running(worker):
+            await wait_until(lambda: state(world, tx) is TransactionState.COMPLETED, what="completion")
+            elapsed = loop.time() - started
+            await wait_until(lambda: len(world.queue.acked) == 1, what="acknowledgement")
+        # Four outages, each followed by one backoff before the next try.
+        assert elapsed >= 4 * policy.backoff_s
+        assert world.faults.calls["queue.claim"] >= 4
+
+    asyncio.run(scenario())
+
+
+def test_run_stops_when_asked_and_drains_work_in_flight() -> None:
+    async def scenario() -> None:
+        world = new_world()
+        world.analysis.gate = asyncio.Event()
+        first = await submit(world)
+        worker = make_worker(world)
+        stop = asyncio.Event()
+        task = asyncio.create_task(worker.run(stop))
+        await wait_until(lambda: world.analysis.started == 1, what="first transaction in analysis")
+
+        stop.set()
+        await asyncio.sleep(0.05)  # lets a claim that was already blocking when stop was set return
+        late = await submit(world)  # arrives after the stop request: must not be claimed
+        done, _ = await asyncio.wait({task}, timeout=0.1)
+        assert not done, "run() returned while a transaction was still in flight"
+        assert worker.in_flight == 1
+
+        world.analysis.gate.set()
+        await asyncio.wait_for(task, 5)
+        assert state(world, first) is TransactionState.COMPLETED
+        assert world.queue.acked == [world.transactions.entry_of[first.reference_id]]
+        assert state(world, late) is TransactionState.QUEUED
+        assert world.queue.undelivered == 1
+        assert worker.in_flight == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_processing_error_is_logged_and_the_worker_keeps_going(caplog: pytest.LogCaptureFixture) -> None:
+    async def scenario() -> None:
+        world = new_world()
+        world.faults.arm("gallery.search")  # first transaction hits a backend outage mid-way
+        bad = await submit(world)
+        good = await submit(world)
+        worker = make_worker(world)
+        async with running(worker):
+            await wait_until(lambda: state(world, good) is TransactionState.COMPLETED, what="second done")
+        assert state(world, bad) is TransactionState.PROCESSING
+        assert world.transactions.entry_of[bad.reference_id] in world.queue.pending
+
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(scenario())
+    assert "failed; will retry" in caplog.text
