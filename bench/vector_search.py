@@ -34,7 +34,7 @@ OTHER_TENANTS = ("tenant-b", "tenant-c", "tenant-d")
 
 def percentile(values: list[float], fraction: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(fraction * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
 
 
 async def fill(store: MilvusGalleryStore, rng: np.random.Generator, tenant: str, count: int) -> np.ndarray:

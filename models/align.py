@@ -59,13 +59,14 @@ class FaceAligner:
     def chips(
         self, image: np.ndarray, shapes: Sequence[dlib.full_object_detection], size: int, padding: float
     ) -> np.ndarray:
-        """Aligned RGB chips, uint8 [N, size, size, 3], from one dlib call for all faces of the image."""
+        """Aligned RGB chips, uint8 [N, size, size, 3].
+
+        Each chip is cut on its own: dlib's multi-face get_face_chips picks one pyramid level for all faces,
+        so a small chip (64 px, age) would depend on the other faces in the picture."""
         if size <= 0 or padding < 0:
             raise ValueError(f"chip size must be > 0 and padding >= 0, got size={size}, padding={padding}")
         if not shapes:
             return np.zeros((0, size, size, 3), dtype=np.uint8)
-        detections = dlib.full_object_detections()
-        for shape in shapes:
-            detections.append(shape)
-        chips = dlib.get_face_chips(to_rgb(image), detections, size=size, padding=padding)
+        rgb = to_rgb(image)
+        chips = [dlib.get_face_chip(rgb, shape, size=size, padding=padding) for shape in shapes]
         return np.stack(chips).astype(np.uint8, copy=False)

@@ -38,7 +38,7 @@ from models.align import FaceAligner
 from models.arrays import to_rgb
 from models.convert import CHIP_SIZE as DESCRIPTOR_CHIP_SIZE
 from models.convert import ensure_descriptor_model
-from models.detector import DetectorOptions, FaceDetector, LetterboxedImage
+from models.detector import DetectorOptions, FaceDetector, LetterboxedImage, letterbox
 from models.embedder import FaceEmbedder
 from models.sessions import DEFAULT_PROVIDER_PREFERENCE, SessionOptions
 from models.types import AgeEstimate, AnalyzedFace, DetectedFace
@@ -102,9 +102,9 @@ class ModelConfig:
 
     def letterboxer(self) -> Callable[[np.ndarray], LetterboxedImage]:
         """The detector's image preparation, for a process that sends letterboxed images to a detector
-        elsewhere. It needs only the options, but FaceDetector exposes it as a method, so this loads
-        the (122 KB) detector model too."""
-        return self.load_detector().prepare
+        elsewhere; it needs only the options, no model."""
+        options = self.detector
+        return lambda image: letterbox(image, options)
 
 
 @dataclass(frozen=True)

@@ -208,6 +208,29 @@ def _nms(boxes: np.ndarray, scores: np.ndarray, iou_threshold: float, limit: int
     return np.asarray(keep, dtype=np.int64)
 
 
+def letterbox(image: np.ndarray, options: DetectorOptions) -> LetterboxedImage:
+    """Pad, scale (keeping aspect) and centre the image on a black SxS canvas, as BGR uint8 CHW."""
+    rgb = to_rgb(image)
+    height, width = rgb.shape[:2]
+    size = options.input_size
+    scale = size / (max(height, width) * (1.0 + 2.0 * options.pad_ratio))
+    # Passing fx/fy (not dsize) makes OpenCV map coordinates by exactly `scale` on both axes.
+    if round(width * scale) >= 1 and round(height * scale) >= 1:
+        interpolation = cv2.INTER_AREA if scale < 1.0 else cv2.INTER_LINEAR
+        resized = cv2.resize(rgb, None, fx=scale, fy=scale, interpolation=interpolation)
+    else:  # a degenerate strip of pixels; no face can be in it, keep one row/column
+        dsize = (max(1, round(width * scale)), max(1, round(height * scale)))
+        resized = cv2.resize(rgb, dsize, interpolation=cv2.INTER_AREA)
+    resized = resized[:size, :size]
+    new_h, new_w = resized.shape[:2]
+    pad_x, pad_y = (size - new_w) // 2, (size - new_h) // 2
+    canvas = np.zeros((3, size, size), dtype=np.uint8)
+    canvas[:, pad_y : pad_y + new_h, pad_x : pad_x + new_w] = resized[:, :, ::-1].transpose(2, 0, 1)
+    return LetterboxedImage(
+        tensor=canvas, scale=scale, pad_x=float(pad_x), pad_y=float(pad_y), original_size=(height, width)
+    )
+
+
 class FaceDetector:
     def __init__(self, model_path: Path, options: DetectorOptions, session_options: SessionOptions) -> None:
         self.options = options
@@ -232,26 +255,7 @@ class FaceDetector:
         self._stride = np.concatenate(ss)
 
     def prepare(self, image: np.ndarray) -> LetterboxedImage:
-        """Pad, scale (keeping aspect) and centre the image on a black SxS canvas, as BGR uint8 CHW."""
-        rgb = to_rgb(image)
-        height, width = rgb.shape[:2]
-        size = self.options.input_size
-        scale = size / (max(height, width) * (1.0 + 2.0 * self.options.pad_ratio))
-        # Passing fx/fy (not dsize) makes OpenCV map coordinates by exactly `scale` on both axes.
-        if round(width * scale) >= 1 and round(height * scale) >= 1:
-            interpolation = cv2.INTER_AREA if scale < 1.0 else cv2.INTER_LINEAR
-            resized = cv2.resize(rgb, None, fx=scale, fy=scale, interpolation=interpolation)
-        else:  # a degenerate strip of pixels; no face can be in it, keep one row/column
-            dsize = (max(1, round(width * scale)), max(1, round(height * scale)))
-            resized = cv2.resize(rgb, dsize, interpolation=cv2.INTER_AREA)
-        resized = resized[:size, :size]
-        new_h, new_w = resized.shape[:2]
-        pad_x, pad_y = (size - new_w) // 2, (size - new_h) // 2
-        canvas = np.zeros((3, size, size), dtype=np.uint8)
-        canvas[:, pad_y : pad_y + new_h, pad_x : pad_x + new_w] = resized[:, :, ::-1].transpose(2, 0, 1)
-        return LetterboxedImage(
-            tensor=canvas, scale=scale, pad_x=float(pad_x), pad_y=float(pad_y), original_size=(height, width)
-        )
+        return letterbox(image, self.options)
 
     def detect_prepared(self, batch: Sequence[LetterboxedImage]) -> list[list[DetectedFace]]:
         """Run the whole batch in one inference and decode each image's faces, best first."""

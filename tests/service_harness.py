@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from serve_app.embedded import EmbeddedServices
 
+from serve_app.embedded import EmbeddedServices
 from serve_app.settings import Settings
 
 
@@ -102,10 +102,8 @@ def running_service(
             runtime_env={"env_vars": overrides},
         )
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(
-            build_app(args or {}, settings=settings), name="facesearch", route_prefix="/", blocking=False
-        )
         base_url = f"http://127.0.0.1:{port}"
+        _deploy(build_app(args or {}, settings=settings), start_timeout_s)
         _wait_ready(base_url, start_timeout_s)
         yield RunningService(base_url=base_url, settings=settings, embedded=embedded, data_dir=data_dir)
     finally:
@@ -119,6 +117,30 @@ def running_service(
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _deploy(app: Any, timeout_s: float) -> None:
+    """serve.run waits forever on a deployment that cannot be scheduled; run it in a thread and give up
+    with Serve's own status message when it does not become ready in time."""
+    import threading
+
+    from ray import serve
+
+    failure: list[BaseException] = []
+
+    def deploy() -> None:
+        try:
+            serve.run(app, name="facesearch", route_prefix="/")
+        except BaseException as error:
+            failure.append(error)
+
+    thread = threading.Thread(target=deploy, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if failure:
+        raise failure[0]
+    if thread.is_alive():
+        raise TimeoutError(f"application not running after {timeout_s}s: {serve.status()}")
 
 
 def _wait_ready(base_url: str, timeout_s: float) -> None:

@@ -126,7 +126,7 @@ REQUEST_BODIES: dict[str, dict[str, Any]] = {
     },
 }
 
-_ERRORS = {
+_ERRORS: dict[int | str, dict[str, Any]] = {
     "401": {
         "description": "Missing, invalid, expired or revoked credentials",
         "content": {"application/json": {"schema": ERROR_ENVELOPE}},

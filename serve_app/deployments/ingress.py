@@ -13,7 +13,7 @@ from serve_app.settings import Settings
 from serve_app.wiring import build_api_services
 
 
-@serve.deployment(max_ongoing_requests=256, health_check_period_s=10)
+@serve.deployment(max_ongoing_requests=256, health_check_period_s=10, ray_actor_options={"num_cpus": 0.25})
 @serve.ingress()
 class ApiIngress:
     def __init__(self, settings: Settings, worker: DeploymentHandle | None = None) -> None:

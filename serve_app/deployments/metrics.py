@@ -5,7 +5,7 @@ from __future__ import annotations
 from ray.util import metrics
 
 _LATENCY_BOUNDARIES = [0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
-_SIZE_BOUNDARIES = [1, 2, 4, 8, 16, 32, 64, 128]
+_SIZE_BOUNDARIES = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0]
 
 
 class ModelMetrics:

@@ -64,7 +64,7 @@ def _in_runs(chip_sets: Sequence[np.ndarray], run_size: int, infer: Callable[[np
     return results
 
 
-@serve.deployment(max_ongoing_requests=64, health_check_period_s=10)
+@serve.deployment(max_ongoing_requests=64, health_check_period_s=10, ray_actor_options={"num_cpus": 1})
 class FaceAnalysisModel:
     """Detection, alignment, descriptor and age in one process, batched over images."""
 
@@ -99,7 +99,7 @@ class FaceAnalysisModel:
         self._analyzer.check()
 
 
-@serve.deployment(max_ongoing_requests=64, health_check_period_s=10)
+@serve.deployment(max_ongoing_requests=64, health_check_period_s=10, ray_actor_options={"num_cpus": 1})
 class FaceDetectorModel:
     """YuNet over letterboxed images (the worker letterboxes, so only fixed-size arrays cross the handle)."""
 
@@ -120,7 +120,7 @@ class FaceDetectorModel:
         return found
 
 
-@serve.deployment(max_ongoing_requests=64, health_check_period_s=10)
+@serve.deployment(max_ongoing_requests=64, health_check_period_s=10, ray_actor_options={"num_cpus": 1})
 class FaceEmbedderModel:
     """dlib ResNet descriptors for 150 px chips, batched by faces."""
 
@@ -143,7 +143,7 @@ class FaceEmbedderModel:
         return [np.asarray(part, dtype=np.float32).reshape(-1, 128) for part in rows]
 
 
-@serve.deployment(max_ongoing_requests=64, health_check_period_s=10)
+@serve.deployment(max_ongoing_requests=64, health_check_period_s=10, ray_actor_options={"num_cpus": 1})
 class AgeModel:
     """Age estimates for 64 px chip views, batched by faces."""
 

@@ -39,7 +39,9 @@ class FusedAnalysis:
         return faces
 
 
-@serve.deployment(num_replicas=1, max_ongoing_requests=8, health_check_period_s=10)
+@serve.deployment(
+    num_replicas=1, max_ongoing_requests=8, health_check_period_s=10, ray_actor_options={"num_cpus": 0.25}
+)
 class TransactionWorker:
     def __init__(
         self,

@@ -23,6 +23,8 @@ class FaceRecord:
     model_version: str
     created_at: float
     reference_id: str  # the transaction that enrolled it
+    # An override's record names the face it replaces, so a retry after a crash finishes that removal.
+    replaces: str | None = None
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ def decode_image(data: bytes, max_pixels: int, max_side: int | None = None) -> D
         with warnings.catch_warnings():
             # Pillow warns, then errors, on decompression bombs; we enforce our own limit below instead.
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
+            image: Image.Image = Image.open(io.BytesIO(data))
             width, height = image.size
             if width * height > max_pixels:
                 raise PayloadTooLarge(

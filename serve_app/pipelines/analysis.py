@@ -12,8 +12,3 @@ from models.types import AnalyzedFace
 class FaceAnalysisBackend(Protocol):
     async def analyze(self, image: np.ndarray, *, embed: bool, estimate_age: bool) -> list[AnalyzedFace]:
         """Faces in one RGB uint8 image with their descriptors and/or age estimates."""
-
-
-def largest_face(faces: list[AnalyzedFace]) -> AnalyzedFace | None:
-    """The probe of a transaction is the largest face in the image (documented in the README)."""
-    return max(faces, key=lambda face: face.detection.area, default=None)

@@ -9,17 +9,19 @@ overwritten.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
 
+from models.analyzer import largest_face
 from models.scoring import distance_from_score, score_from_distance
 from models.types import AnalyzedFace
 from serve_app.domain.errors import ServiceError
 from serve_app.domain.faces import FaceRecord, GalleryEntry
 from serve_app.domain.transactions import Transaction, TransactionKind
 from serve_app.imaging.decode import decode_image
-from serve_app.pipelines.analysis import FaceAnalysisBackend, largest_face
+from serve_app.pipelines.analysis import FaceAnalysisBackend
 from serve_app.stores.interfaces import BlobStore, FaceRecordStore, GalleryStore, TransactionStore
 
 logger = logging.getLogger(__name__)
@@ -70,6 +72,7 @@ class TransactionProcessor:
             image = await self._load_image(tx)
         except ImageUnusable as error:
             await self._transactions.fail(reference_id, error.message)
+            await self._blobs.delete(tx.image_key)  # a failed transaction's upload is never used again
             return
         if tx.kind is TransactionKind.FACE_SEARCH:
             result = await self._face_search(tx, image)
@@ -110,8 +113,7 @@ class TransactionProcessor:
         ][: self._policy.max_matches]
         enrolled = False
         if tx.enroll_face:
-            await self._enroll(tx, probe)
-            enrolled = True
+            enrolled = await self._enroll(tx, probe)
         return {"is_face_found": True, "matched_faces": matched, "_enrolled": enrolled}
 
     async def _age_estimation(self, tx: Transaction, image: Any) -> dict[str, Any]:
@@ -121,8 +123,7 @@ class TransactionProcessor:
             return {"age": None, "under_18": None, "under_21": None, "_enrolled": False}
         enrolled = False
         if tx.enroll_face and subject.embedding is not None:
-            await self._enroll(tx, subject)
-            enrolled = True
+            enrolled = await self._enroll(tx, subject)
         return {
             "age": subject.age.age,
             "under_18": subject.age.under_18,
@@ -130,7 +131,8 @@ class TransactionProcessor:
             "_enrolled": enrolled,
         }
 
-    async def _enroll(self, tx: Transaction, face: AnalyzedFace) -> None:
+    async def _enroll(self, tx: Transaction, face: AnalyzedFace) -> bool:
+        """Enrol the face; False when an override was superseded by a later submission."""
         assert face.embedding is not None
         record = FaceRecord(
             face_id=enrolled_face_id(tx.reference_id),
@@ -146,12 +148,27 @@ class TransactionProcessor:
             async with self._records.reference_lock(
                 tx.tenant_id, tx.client_reference, self._policy.override_lock_timeout_s
             ):
-                previous = await self._records.latest_for_reference(tx.tenant_id, tx.client_reference)
-                await self._add(record, face)
-                if previous is not None and previous.face_id != record.face_id:
-                    await self.remove(previous)
+                return await self._override(record, face)
+        await self._add(record, face)
+        return True
+
+    async def _override(self, record: FaceRecord, face: AnalyzedFace) -> bool:
+        assert record.client_reference is not None
+        earlier_attempt = await self._records.get(record.tenant_id, record.face_id)
+        if earlier_attempt is not None:
+            # A retry: keep the decision the first attempt recorded.
+            replaces = earlier_attempt.replaces
         else:
-            await self._add(record, face)
+            latest = await self._records.latest_for_reference(record.tenant_id, record.client_reference)
+            if latest is not None and latest.created_at > record.created_at:
+                return False  # a later submission already replaced this reference's image
+            replaces = latest.face_id if latest is not None else None
+        await self._add(dataclasses.replace(record, replaces=replaces), face)
+        if replaces is not None and replaces != record.face_id:
+            previous = await self._records.get(record.tenant_id, replaces)
+            if previous is not None:
+                await self.remove(previous)
+        return True
 
     async def _add(self, record: FaceRecord, face: AnalyzedFace) -> None:
         assert face.embedding is not None
@@ -172,6 +189,11 @@ class TransactionProcessor:
         )
 
     async def remove(self, record: FaceRecord) -> None:
+        # An override that crashed before removing the face it replaced left that face behind; finish it.
+        if record.replaces is not None:
+            unfinished = await self._records.get(record.tenant_id, record.replaces)
+            if unfinished is not None:
+                await self.remove(unfinished)
         # Vector first so the face stops matching before its record and proof disappear.
         await self._gallery.delete(record.tenant_id, [record.face_id])
         await self._records.delete(record.tenant_id, record.face_id)

@@ -57,7 +57,8 @@ class QueueWorker:
         next_reclaim = 0.0
         while not stop.is_set():
             try:
-                if loop.time() >= next_reclaim:
+                # Only with a free slot: the queue refuses a request for zero entries (Redis: COUNT 0).
+                if loop.time() >= next_reclaim and self._free_slots() > 0:
                     next_reclaim = loop.time() + self._policy.reclaim_every_s
                     await self._start_all(
                         await self._queue.reclaim_stale(

@@ -4,9 +4,11 @@ They honour the Protocol semantics the pipelines rely on:
 - transactions: a final state is never overwritten; mark_processing refuses unknown and final ones;
 - work queue: consumer-group semantics: claim hands out undelivered entries, an entry stays pending until
   acknowledged, reclaim_stale hands pending entries idle for min_idle_ms to another consumer and bumps their
-  delivery count;
+  delivery count; asking for zero entries is refused as Redis refuses COUNT 0;
 - gallery: search is filtered by tenant and max_distance and sorted by distance, closest first;
-- records: reference_lock is a real mutual-exclusion lock per (tenant, client_reference).
+- records: reference_lock is a real mutual-exclusion lock per (tenant, client_reference); the latest face of
+  a reference is the one with the newest created_at;
+- rate limiter: fixed windows counting every hit, like the Redis limiter.
 
 Every fake yields to the event loop on each call (as a network store would), so concurrent callers really
 interleave, and can be told to fail (`Faults`) to simulate a backend outage or a crash between two steps.
@@ -121,6 +123,7 @@ class FakeWorkQueue:
 
     async def claim(self, consumer: str, count: int, block_ms: int) -> list[QueueEntry]:
         await self._faults.check("queue.claim")
+        _positive_count(count)
         deadline = asyncio.get_running_loop().time() + block_ms / 1000
         while not self._undelivered and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.002)
@@ -134,6 +137,7 @@ class FakeWorkQueue:
 
     async def reclaim_stale(self, consumer: str, min_idle_ms: int, count: int) -> list[QueueEntry]:
         await self._faults.check("queue.reclaim_stale")
+        _positive_count(count)
         now = self._clock()
         entries: list[QueueEntry] = []
         for entry_id, pending in sorted(self._pending.items(), key=lambda item: _id_order(item[0])):
@@ -165,6 +169,13 @@ class FakeWorkQueue:
     @property
     def undelivered(self) -> int:
         return len(self._undelivered)
+
+
+def _positive_count(count: int) -> None:
+    """Redis refuses XREADGROUP/XAUTOCLAIM with COUNT 0 ("ERR COUNT must be > 0"); the store reports it as
+    BackendUnavailable, so the fake does too."""
+    if count < 1:
+        raise BackendUnavailable(f"ERR COUNT must be > 0 (got {count})")
 
 
 def _id_order(entry_id: str) -> tuple[int, int]:
@@ -479,41 +490,41 @@ class FakeClientStore:
 
 
 class FakeRateLimiter:
-    """A sliding log per key on a clock the test controls; refused events are not counted."""
+    """Fixed windows, like the Redis limiter: a window opens at a key's first event and lasts window_s;
+    every hit counts, refused ones too. The clock is the test's."""
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
-        self._events: dict[str, list[float]] = {}
+        self._windows: dict[str, tuple[float, int]] = {}  # key -> (window end, events counted)
         self.hits: list[str] = []
 
-    def _live(self, key: str, window_s: int) -> list[float]:
-        now = self._clock()
-        events = [moment for moment in self._events.get(key, []) if now - moment < window_s]
-        self._events[key] = events
-        return events
+    def _current(self, key: str) -> tuple[float, int] | None:
+        window = self._windows.get(key)
+        if window is not None and window[0] <= self._clock():
+            del self._windows[key]
+            return None
+        return window
 
-    def _retry_after(self, events: list[float], limit: int, window_s: int) -> int:
-        if len(events) < limit:
-            return 0
-        oldest_blocking = events[len(events) - limit]
-        return max(1, math.ceil(oldest_blocking + window_s - self._clock()))
+    def _seconds_left(self, end: float) -> int:
+        return max(1, math.ceil(end - self._clock()))
 
     async def hit(self, key: str, limit: int, window_s: int) -> int:
         await asyncio.sleep(0)
         self.hits.append(key)
-        events = self._live(key, window_s)
-        retry_after = self._retry_after(events, limit, window_s)
-        if retry_after == 0:
-            events.append(self._clock())
-        return retry_after
+        end, count = self._current(key) or (self._clock() + window_s, 0)
+        self._windows[key] = (end, count + 1)
+        return 0 if count + 1 <= limit else self._seconds_left(end)
 
     async def peek(self, key: str, limit: int, window_s: int) -> int:
         await asyncio.sleep(0)
-        return self._retry_after(self._live(key, window_s), limit, window_s)
+        window = self._current(key)
+        if window is None or window[1] < limit:
+            return 0
+        return self._seconds_left(window[0])
 
     async def reset(self, key: str) -> None:
         await asyncio.sleep(0)
-        self._events.pop(key, None)
+        self._windows.pop(key, None)
 
 
 # ------------------------------------------------------------------------------------------ models
@@ -737,10 +748,6 @@ class Api:
     services: ApiServices
     client_id: str
     client_secret: str
-
-    @property
-    def app(self) -> Any:
-        return create_app(self.services)
 
     def token(self, client_id: str | None = None) -> str:
         return self.signer.issue_access(client_id or self.client_id)[0]

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import jwt
 import pytest
+from jwt.warnings import InsecureKeyLengthWarning
 
 from serve_app.api.tokens import TokenSigner, _derive_key
 from tests.unit.fakes import (
@@ -109,7 +110,7 @@ def test_login_issues_a_working_bearer_token_from_json_or_form() -> None:
 
 def forged_tokens(api: Api) -> dict[str, str]:
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", jwt.warnings.InsecureKeyLengthWarning)  # forgeries may use short keys
+        warnings.simplefilter("ignore", InsecureKeyLengthWarning)  # forgeries may use short keys
         return _forged_tokens(api)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 from PIL import Image
+from starlette.types import Message, Scope
 
 from serve_app.api.app import create_app
 from serve_app.domain.transactions import TransactionState
@@ -462,15 +463,15 @@ def test_an_oversized_content_length_is_refused_before_the_body_is_read() -> Non
     async def scenario() -> None:
         api = await build_api(max_upload_bytes=MAX_UPLOAD)
         app = create_app(api.services)
-        sent: list[dict[str, Any]] = []
+        sent: list[Message] = []
 
-        async def receive() -> dict[str, Any]:
+        async def receive() -> Message:
             raise AssertionError("the body was read")
 
-        async def send(message: dict[str, Any]) -> None:
+        async def send(message: Message) -> None:
             sent.append(message)
 
-        scope = {
+        scope: Scope = {
             "type": "http",
             "asgi": {"version": "3.0"},
             "http_version": "1.1",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
@@ -53,6 +53,16 @@ async def running(worker: QueueWorker) -> AsyncIterator[asyncio.Event]:
         await asyncio.wait_for(task, 5)
 
 
+def attempt_done(world: World, worker: QueueWorker, attempts: int) -> Callable[[], bool]:
+    """True once analysis ran `attempts` times and nothing is in flight any more."""
+    return lambda: len(world.analysis.calls) == attempts and worker.in_flight == 0
+
+
+def delivery_done(world: World, worker: QueueWorker, deliveries: int) -> Callable[[], bool]:
+    """True once the queue handed out `deliveries` entries and nothing is in flight any more."""
+    return lambda: len(world.queue.deliveries) == deliveries and worker.in_flight == 0
+
+
 def state(world: World, tx: Transaction) -> TransactionState:
     return world.transactions.peek(tx.reference_id).state
 
@@ -90,6 +100,26 @@ def test_never_runs_more_than_concurrency_transactions_at_once() -> None:
         assert all(state(world, tx) is TransactionState.COMPLETED for tx in transactions)
 
     asyncio.run(scenario())
+
+
+def test_a_saturated_worker_never_asks_the_queue_for_zero_entries(caplog: pytest.LogCaptureFixture) -> None:
+    async def scenario() -> None:
+        world = new_world()
+        world.analysis.gate = asyncio.Event()
+        transactions = [await submit(world) for _ in range(3)]
+        worker = make_worker(world, WorkerPolicy(**{**FAST.__dict__, "concurrency": 2, "backoff_s": 0.5}))
+        async with running(worker):
+            await wait_until(lambda: world.analysis.started == 2, what="the worker to fill up")
+            await asyncio.sleep(0.1)  # ten reclaim periods while every slot is taken
+            world.analysis.gate.set()
+            await wait_until(
+                lambda: len(world.queue.acked) == 3, timeout_s=0.4, what="all three acknowledged"
+            )
+        assert all(state(world, tx) is TransactionState.COMPLETED for tx in transactions)
+
+    with caplog.at_level(logging.WARNING, logger="serve_app.pipelines.worker"):
+        asyncio.run(scenario())
+    assert "COUNT must be > 0" not in caplog.text
 
 
 def test_a_failed_attempt_stays_pending_until_reclaimed_then_completes(
@@ -136,10 +166,7 @@ def test_an_entry_delivered_more_than_max_deliveries_fails_its_transaction_and_i
         worker = make_worker(world)
         async with running(worker):
             for attempt in range(1, FAST.max_deliveries + 1):
-                await wait_until(
-                    lambda n=attempt: len(world.analysis.calls) == n and worker.in_flight == 0,
-                    what=f"attempt {attempt}",
-                )
+                await wait_until(attempt_done(world, worker, attempt), what=f"attempt {attempt}")
                 world.queue_clock.advance(FAST.stale_after_s)
             await wait_until(lambda: world.queue.acked == [entry_id], what="the poison entry acknowledged")
         final = world.transactions.peek(tx.reference_id)
@@ -162,10 +189,7 @@ def test_a_poison_entry_never_overwrites_a_transaction_that_already_completed() 
         worker = make_worker(world)
         async with running(worker):
             for delivery in range(1, FAST.max_deliveries + 1):
-                await wait_until(
-                    lambda n=delivery: len(world.queue.deliveries) == n and worker.in_flight == 0,
-                    what=f"delivery {delivery}",
-                )
+                await wait_until(delivery_done(world, worker, delivery), what=f"delivery {delivery}")
                 world.queue_clock.advance(FAST.stale_after_s)
             await wait_until(lambda: world.queue.acked == [entry_id], what="acknowledged at last")
         final = world.transactions.peek(tx.reference_id)

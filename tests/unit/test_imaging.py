@@ -1,0 +1,273 @@
+"""Image sniffing and decoding: formats by magic bytes, every accepted mode to 8-bit RGB, EXIF, limits."""
+
+from __future__ import annotations
+
+import io
+import zlib
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from serve_app.domain.errors import PayloadTooLarge, UnsupportedMedia, ValidationFailed
+from serve_app.imaging.decode import DecodedImage, ImageFormat, decode_image, sniff_format
+from tests.unit.fakes import image_bytes, uniform_png
+
+LIMIT = 40_000_000
+RED = (255, 0, 0)
+BLUE = (0, 0, 255)
+
+
+def decode(data: bytes, max_side: int | None = None, max_pixels: int = LIMIT) -> np.ndarray:
+    decoded = decode_image(data, max_pixels, max_side)
+    assert isinstance(decoded, DecodedImage)
+    pixels = decoded.pixels
+    assert pixels.dtype == np.uint8 and pixels.ndim == 3 and pixels.shape[2] == 3
+    return pixels
+
+
+def two_halves(size: tuple[int, int] = (40, 20)) -> Image.Image:
+    """Left half red, right half blue."""
+    image = Image.new("RGB", size, RED)
+    image.paste(BLUE, (size[0] // 2, 0, size[0], size[1]))
+    return image
+
+
+def close(actual: np.ndarray, expected: tuple[int, int, int], tolerance: int = 12) -> bool:
+    return bool(np.all(np.abs(actual.astype(int) - np.array(expected)) <= tolerance))
+
+
+# ------------------------------------------------------------------------------------------ sniffing
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        (image_bytes(Image.new("RGB", (4, 4)), "PNG"), ImageFormat("png", "image/png")),
+        (image_bytes(Image.new("RGB", (4, 4)), "JPEG"), ImageFormat("jpeg", "image/jpeg")),
+        (b"\xff\xd8\xff\xe0rest does not matter to sniffing", ImageFormat("jpeg", "image/jpeg")),
+    ],
+)
+def test_sniffing_recognises_jpeg_and_png_by_their_signature(data: bytes, expected: ImageFormat) -> None:
+    assert sniff_format(data) == expected
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        pytest.param(image_bytes(Image.new("P", (4, 4)), "GIF"), id="GIF"),
+        pytest.param(image_bytes(Image.new("RGB", (4, 4)), "WEBP"), id="WebP"),
+        pytest.param(image_bytes(Image.new("RGB", (4, 4)), "BMP"), id="BMP"),
+        pytest.param(image_bytes(Image.new("RGB", (4, 4)), "TIFF"), id="TIFF"),
+        pytest.param(image_bytes(Image.new("RGB", (4, 4)), "ICO"), id="ICO"),
+        pytest.param(b'<svg xmlns="http://www.w3.org/2000/svg"/>', id="SVG"),
+        pytest.param(b"%PDF-1.7\n", id="PDF"),
+        pytest.param(b"hello, this is text", id="text"),
+        pytest.param(b"\x89PNG", id="half a PNG signature"),
+        pytest.param(b"\xff\xd8", id="half a JPEG signature"),
+    ],
+)
+def test_sniffing_refuses_everything_else(data: bytes) -> None:
+    with pytest.raises(UnsupportedMedia):
+        sniff_format(data)
+    with pytest.raises(UnsupportedMedia):
+        decode_image(data, LIMIT)
+
+
+def test_an_empty_file_is_a_validation_error() -> None:
+    with pytest.raises(ValidationFailed) as error:
+        sniff_format(b"")
+    assert error.value.details == {"file": "empty file"}
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        pytest.param(
+            b"\x89PNG\r\n\x1a\n" + image_bytes(Image.new("P", (4, 4)), "GIF"), id="PNG magic, GIF body"
+        ),
+        pytest.param(b"\xff\xd8\xff" + b"\x00" * 64, id="JPEG magic, zeros"),
+        pytest.param(image_bytes(Image.new("RGB", (64, 64), RED), "PNG")[:60], id="truncated PNG"),
+    ],
+)
+def test_a_valid_signature_on_a_broken_file_is_a_validation_error(data: bytes) -> None:
+    with pytest.raises(ValidationFailed):
+        decode_image(data, LIMIT)
+
+
+def test_a_truncated_jpeg_fails_at_decode_not_later() -> None:
+    noise = np.random.default_rng(1).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    data = image_bytes(Image.fromarray(noise), "JPEG")
+    decode(data)
+    with pytest.raises(ValidationFailed):
+        decode_image(data[: len(data) * 2 // 3], LIMIT)
+
+
+# ----------------------------------------------------------------------------------------- modes
+
+
+def test_rgb_png_is_returned_exactly() -> None:
+    pixels = np.random.default_rng(2).integers(0, 256, (12, 17, 3), dtype=np.uint8)
+    decoded = decode_image(image_bytes(Image.fromarray(pixels), "PNG"), LIMIT)
+    assert decoded.format == ImageFormat("png", "image/png")
+    assert np.array_equal(decoded.pixels, pixels)
+
+
+def test_grayscale_png_becomes_equal_channels() -> None:
+    gray = np.arange(64, dtype=np.uint8).reshape(8, 8) * 4
+    pixels = decode(image_bytes(Image.fromarray(gray, mode="L"), "PNG"))
+    for channel in range(3):
+        assert np.array_equal(pixels[:, :, channel], gray)
+
+
+def test_bilevel_png_becomes_black_and_white() -> None:
+    pixels = decode(uniform_png(8, 2, 1, 0, bytes([0b11110000])))
+    assert pixels.shape == (2, 8, 3)
+    assert pixels[0, :4].tolist() == [[255, 255, 255]] * 4
+    assert pixels[0, 4:].tolist() == [[0, 0, 0]] * 4
+
+
+def test_16_bit_grayscale_png_is_scaled_not_clipped() -> None:
+    values = np.array([[0, 257 * 64, 257 * 128, 65535]], dtype=np.uint16)
+    image = Image.fromarray(values)
+    assert image.mode == "I;16"
+    pixels = decode(image_bytes(image, "PNG"))
+    assert pixels[0, :, 0].tolist() == [0, 64, 128, 255]
+    assert np.array_equal(pixels[:, :, 0], pixels[:, :, 2])
+
+
+def test_16_bit_rgb_png_keeps_the_high_bytes() -> None:
+    row = b"".join(bytes([high, 0x11]) for high in (250, 128, 3, 0, 77, 200))  # two pixels, 16-bit samples
+    pixels = decode(uniform_png(2, 3, 16, 2, row))
+    assert pixels.shape == (3, 2, 3)
+    assert pixels[1].tolist() == [[250, 128, 3], [0, 77, 200]]
+
+
+def test_transparency_is_composited_onto_white() -> None:
+    rgba = Image.new("RGBA", (3, 1))
+    rgba.putpixel((0, 0), (10, 20, 30, 255))
+    rgba.putpixel((1, 0), (10, 20, 30, 0))
+    rgba.putpixel((2, 0), (0, 0, 0, 128))
+    pixels = decode(image_bytes(rgba, "PNG"))
+    assert pixels[0, 0].tolist() == [10, 20, 30]
+    assert pixels[0, 1].tolist() == [255, 255, 255]
+    assert close(pixels[0, 2], (127, 127, 127), tolerance=2)
+
+    gray_alpha = Image.new("LA", (2, 1))
+    gray_alpha.putpixel((0, 0), (40, 255))
+    gray_alpha.putpixel((1, 0), (40, 0))
+    pixels = decode(image_bytes(gray_alpha, "PNG"))
+    assert pixels[0].tolist() == [[40, 40, 40], [255, 255, 255]]
+
+
+def test_palette_png_with_and_without_a_transparent_index() -> None:
+    palette = Image.new("P", (2, 1))
+    palette.putpalette([0, 0, 0, 200, 100, 50] + [0] * 762)
+    palette.putpixel((0, 0), 0)
+    palette.putpixel((1, 0), 1)
+    opaque = decode(image_bytes(palette, "PNG"))
+    assert opaque[0].tolist() == [[0, 0, 0], [200, 100, 50]]
+    transparent = decode(image_bytes(palette, "PNG", transparency=0))
+    assert transparent[0].tolist() == [[255, 255, 255], [200, 100, 50]]
+
+
+def test_cmyk_jpeg_becomes_rgb() -> None:
+    image = Image.new("CMYK", (16, 16), (0, 255, 255, 0))  # pure red in CMYK
+    data = image_bytes(image, "JPEG", quality=95)
+    assert Image.open(io.BytesIO(data)).mode == "CMYK"
+    pixels = decode(data)
+    assert close(pixels[8, 8], RED)
+
+
+def test_mpo_jpeg_from_a_phone_camera_decodes_its_first_frame() -> None:
+    data = image_bytes(
+        Image.new("RGB", (32, 16), RED),
+        "MPO",
+        save_all=True,
+        append_images=[Image.new("RGB", (32, 16), BLUE)],
+    )
+    decoded = decode_image(data, LIMIT)
+    assert decoded.format == ImageFormat("jpeg", "image/jpeg")
+    assert decoded.pixels.shape == (16, 32, 3)
+    assert close(decoded.pixels[8, 16], RED)
+
+
+# ------------------------------------------------------------------------------------- orientation
+
+
+@pytest.mark.parametrize(
+    ("orientation", "shape", "top_left", "bottom_right"),
+    [
+        (1, (20, 40, 3), RED, BLUE),  # as stored
+        (3, (20, 40, 3), BLUE, RED),  # rotated 180 degrees
+        (6, (40, 20, 3), RED, BLUE),  # rotate 90 clockwise: left half becomes the top
+        (8, (40, 20, 3), BLUE, RED),  # rotate 90 counter-clockwise: right half becomes the top
+        (2, (20, 40, 3), BLUE, RED),  # mirrored left-right
+    ],
+)
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
+def test_exif_orientation_is_applied(
+    fmt: str,
+    orientation: int,
+    shape: tuple[int, int, int],
+    top_left: tuple[int, int, int],
+    bottom_right: tuple[int, int, int],
+) -> None:
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    data = image_bytes(two_halves(), fmt, exif=exif, **({"quality": 95} if fmt == "JPEG" else {}))
+    pixels = decode(data)
+    assert pixels.shape == shape
+    assert close(pixels[2, 2], top_left), pixels[2, 2]
+    assert close(pixels[-3, -3], bottom_right), pixels[-3, -3]
+
+
+# ------------------------------------------------------------------------------------------- limits
+
+
+def test_max_side_downscales_the_longest_side_keeping_the_aspect_ratio() -> None:
+    data = image_bytes(two_halves((400, 200)), "PNG")
+    assert decode(data, max_side=100).shape == (50, 100, 3)
+    assert decode(data, max_side=400).shape == (200, 400, 3)
+    assert decode(data, max_side=1000).shape == (200, 400, 3)  # never upscaled
+    assert decode(data).shape == (200, 400, 3)
+    small = decode(data, max_side=100)
+    assert close(small[25, 10], RED) and close(small[25, 90], BLUE)
+
+
+def test_max_side_applies_after_the_exif_rotation() -> None:
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    pixels = decode(image_bytes(two_halves((400, 200)), "JPEG", exif=exif, quality=95), max_side=100)
+    assert pixels.shape == (100, 50, 3)
+    assert close(pixels[10, 25], RED) and close(pixels[90, 25], BLUE)
+
+
+def test_the_pixel_limit_is_inclusive_and_checked_before_decoding() -> None:
+    data = uniform_png(100, 100, 8, 0)
+    assert decode(data, max_pixels=10_000).shape == (100, 100, 3)
+    with pytest.raises(PayloadTooLarge):
+        decode_image(data, 9_999)
+
+
+@pytest.mark.parametrize(
+    ("width", "height"),
+    [(8_000, 8_000), (20_000, 20_000), (1, 50_000_000)],
+    ids=["64 MP palette-sized", "400 MP beyond Pillow's own limit", "one pixel wide"],
+)
+def test_decompression_bombs_are_payload_too_large(width: int, height: int) -> None:
+    data = uniform_png(width, height, 1, 0) if height < 1_000_000 else _tall_png_header_only(width, height)
+    with pytest.raises(PayloadTooLarge) as error:
+        decode_image(data, LIMIT)
+    assert error.value.details == {"file": "image too large"}
+
+
+def _tall_png_header_only(width: int, height: int) -> bytes:
+    """A PNG whose IHDR announces a huge image and whose data is cut short: refused by size, not by damage."""
+    full = uniform_png(width, 1, 1, 0)
+    header_end = 8 + 25  # signature + IHDR chunk
+    ihdr = bytearray(full[:header_end])
+    ihdr[16:24] = width.to_bytes(4, "big") + height.to_bytes(4, "big")
+    crc = zlib.crc32(bytes(ihdr[12:29])) & 0xFFFFFFFF
+    ihdr[29:33] = crc.to_bytes(4, "big")
+    return bytes(ihdr) + full[header_end:]
