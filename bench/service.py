@@ -74,13 +74,15 @@ async def _poll(
     http: httpx.AsyncClient, headers: dict[str, str], reference_id: str, timeout_s: float
 ) -> None:
     deadline = time.monotonic() + timeout_s
+    interval = 0.05  # back off like a polite client: 50 ms growing to 400 ms
     while time.monotonic() < deadline:
         response = await http.post("/result", headers=headers, json={"reference_id": reference_id})
         if response.status_code == 200:
             return
         if response.status_code != 202:
             raise RuntimeError(f"/result answered {response.status_code}: {response.text[:200]}")
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(interval)
+        interval = min(0.4, interval * 1.5)
     raise TimeoutError(reference_id)
 
 
@@ -193,9 +195,13 @@ def main() -> None:
     ]
     with tempfile.TemporaryDirectory(prefix="facesearch-bench-") as data_dir:
         model_config = {"intra_op_threads": args.threads}
-        with running_service(
-            Path(data_dir), {"topology": args.topology, "model_config": model_config}
-        ) as service:
+        app_args: dict[str, object] = {"topology": args.topology, "model_config": model_config}
+        if args.topology == "split":
+            # Three model replicas must fit next to the ingress and worker on a 2-CPU box.
+            share = {"ray_actor_options": {"num_cpus": 0.5}}
+            models = ("FaceDetectorModel", "FaceEmbedderModel", "AgeModel")
+            app_args["deployment_options"] = {name: share for name in models}
+        with running_service(Path(data_dir), app_args) as service:
             token = service.token_for(service.new_client("bench"))
             rows += asyncio.run(service_rows(service.base_url, token, faces, ages, args))
     print(format_table(header, rows))

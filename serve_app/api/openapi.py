@@ -14,6 +14,10 @@ _BOOL_01 = {
 }
 
 
+# The handlers refuse an empty client_id, client_secret or reference_id with 422 ("required").
+_NON_EMPTY = {"type": "string", "minLength": 1}
+
+
 def _object(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
     return {"type": "object", "properties": properties, "required": required}
 
@@ -38,6 +42,26 @@ ERROR_ENVELOPE = _object(
     ["status", "message", "errors"],
 )
 
+# A transaction that ended in `failed`: HTTP 200 from /result (and from /age-estimation with
+# wait_for_result=1) with the error envelope, plus the reference_id and state.
+_FAILED_TRANSACTION = _object(
+    {
+        "status": {"type": "boolean", "const": False},
+        "message": {"type": "string"},
+        "errors": {"type": "object", "additionalProperties": {"type": "string"}},
+        "result": _object(
+            {
+                "data": _object(
+                    {"reference_id": {"type": "string"}, "state": {"type": "string", "enum": ["failed"]}},
+                    ["reference_id", "state"],
+                )
+            },
+            ["data"],
+        ),
+    },
+    ["status", "message", "errors", "result"],
+)
+
 _FACE_SEARCH_FIELDS = {
     "type": {"type": "string", "enum": ["face_search"]},
     "client_reference": {"type": "string", "minLength": 5, "maxLength": 255},
@@ -52,7 +76,7 @@ REQUEST_BODIES: dict[str, dict[str, Any]] = {
             "content": {
                 media: {
                     "schema": _object(
-                        {"client_id": {"type": "string"}, "client_secret": {"type": "string"}},
+                        {"client_id": _NON_EMPTY, "client_secret": _NON_EMPTY},
                         ["client_id", "client_secret"],
                     )
                 }
@@ -119,7 +143,7 @@ REQUEST_BODIES: dict[str, dict[str, Any]] = {
         "requestBody": {
             "required": True,
             "content": {
-                media: {"schema": _object({"reference_id": {"type": "string"}}, ["reference_id"])}
+                media: {"schema": _object({"reference_id": _NON_EMPTY}, ["reference_id"])}
                 for media in ("application/json", "application/x-www-form-urlencoded")
             },
         }
@@ -246,16 +270,38 @@ RESPONSES: dict[str, dict[int | str, dict[str, Any]]] = {
     },
     "age_create": {
         200: {
-            "description": "Transaction created; with wait_for_result=1 the data also carries the age result",
-            "content": {"application/json": {"schema": _envelope(_AGE_DATA)}},
+            "description": "Transaction created (data: reference_id); with wait_for_result=1 and a final "
+            "result, the data also carries the age result, or the body is the failed-transaction envelope",
+            "content": {
+                "application/json": {
+                    "schema": {
+                        "oneOf": [
+                            _envelope(
+                                {
+                                    "anyOf": [
+                                        _object({"reference_id": {"type": "string"}}, ["reference_id"]),
+                                        _AGE_DATA,
+                                    ]
+                                }
+                            ),
+                            _FAILED_TRANSACTION,
+                        ]
+                    }
+                }
+            },
         },
         202: _PENDING,
         **_ERRORS,
     },
     "result": {
         200: {
-            "description": "Final result (face search or age estimation data)",
-            "content": {"application/json": {"schema": _envelope({"oneOf": [_FACE_DATA, _AGE_DATA]})}},
+            "description": "Final result (face search or age estimation data), or the failed-transaction "
+            "envelope (status false, errors.transaction, result.data.state = failed)",
+            "content": {
+                "application/json": {
+                    "schema": {"oneOf": [_envelope({"oneOf": [_FACE_DATA, _AGE_DATA]}), _FAILED_TRANSACTION]}
+                }
+            },
         },
         202: _PENDING,
         **{code: _ERRORS[code] for code in ("401", "415", "422", "429", "503")},

@@ -1,0 +1,672 @@
+"""Fault tests against the real application (Ray Serve, embedded redis-server and milvus-lite, real models
+and photos): the README's promise "Nothing accepted is lost", checked by killing replicas, stopping
+backends and restarting everything while transactions are in flight.
+
+One service instance is shared by every test in this module (a start costs 15-25 s); the restart test
+restarts it in place on the same data directory. Workers reclaim abandoned entries after
+FACESEARCH_STALE_AFTER_S = 3 s here instead of 30 s, so recovery happens within the tests' deadlines.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from serve_app.domain.faces import FaceRecord
+from serve_app.domain.transactions import (
+    Transaction,
+    TransactionKind,
+    TransactionState,
+    new_reference_id,
+)
+from serve_app.embedded import EmbeddedServices
+from serve_app.pipelines.processing import enrolled_face_id
+from serve_app.pipelines.reconcile import ReconcileReport, reconcile
+from serve_app.pipelines.transactions import upload_key
+from serve_app.settings import Settings
+from tests.faces_dev import FacesDev
+from tests.integration.api_client import (
+    age_estimation,
+    auth,
+    face_search_json,
+    reference_of,
+)
+from tests.integration.faults.faults_support import (
+    ServiceHost,
+    Stores,
+    count_by_state,
+    final_results,
+    kill_replica,
+    matched_faces,
+    pending_entries,
+    poll,
+    queue_depth,
+    states_of,
+    stores_of,
+    tenant_records,
+    tenant_vectors,
+    transactions_of,
+    wait_all_final,
+    wait_replaced,
+    with_stores,
+    without_proof_urls,
+    worker_status,
+)
+from tests.service_harness import Client
+
+pytestmark = pytest.mark.service
+
+STALE_AFTER_S = 3
+FAULT_ENV = {"FACESEARCH_STALE_AFTER_S": str(STALE_AFTER_S)}
+FINISH_TIMEOUT_S = 180.0  # generous: a shared 2-core machine, and a model replica reloading its weights
+OUTAGE_ANSWER_LIMIT_S = 5.0  # a create call while Redis is down must be refused within this
+
+
+# -- fixtures ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceHost]:
+    import ray
+
+    if ray.is_initialized():
+        pytest.fail(
+            "Ray is already initialised in this process (the session `service` fixture is alive?); "
+            "the fault tests need their own service and must run before it"
+        )
+    service_host = ServiceHost(tmp_path_factory.mktemp("faults-data"), FAULT_ENV)
+    service_host.start()
+    try:
+        yield service_host
+    finally:
+        service_host.stop()
+
+
+@dataclass(frozen=True)
+class Gallery:
+    """A tenant with the first photo of each of the 10 identities enrolled under ref-<identity>."""
+
+    client: Client
+    token: str
+    enrolled: dict[str, str]  # identity -> reference_id of its enrolment
+    photos: dict[str, list[Path]]
+
+    @property
+    def tenant_id(self) -> str:
+        return self.client.client_id
+
+    def face_of(self, identity: str) -> str:
+        return enrolled_face_id(self.enrolled[identity])
+
+
+def reference_for(identity: str) -> str:
+    return f"ref-{identity}"
+
+
+@pytest.fixture(scope="module")
+def gallery(host: ServiceHost, faces_dev: FacesDev) -> Gallery:
+    service = host.current
+    client = service.new_client("faults-gallery")
+    token = service.token_for(client)
+    photos = {
+        identity: [image.path for image in images] for identity, images in faces_dev.by_identity().items()
+    }
+    assert len(photos) == 10 and all(len(paths) >= 3 for paths in photos.values())
+    with service.http() as http:
+        enrolled = {
+            identity: reference_of(
+                face_search_json(http, token, paths[0], client_reference=reference_for(identity))
+            )
+            for identity, paths in photos.items()
+        }
+    finished = wait_all_final(service, enrolled.values(), FINISH_TIMEOUT_S)
+    assert {tx.state for tx in finished.values()} == {TransactionState.COMPLETED}
+    assert len(tenant_records(service, client.client_id)) == 10
+    return Gallery(client=client, token=token, enrolled=enrolled, photos=photos)
+
+
+@pytest.fixture(scope="module")
+def age_baseline(host: ServiceHost, gallery: Gallery, faces_dev: FacesDev) -> dict[Path, dict[str, Any]]:
+    """Age results for 10 photos computed with nothing failing, to compare results after faults with."""
+    baseline: dict[Path, dict[str, Any]] = {}
+    with host.current.http() as http:
+        for image in faces_dev.of_kind("age")[:10]:
+            response = age_estimation(http, gallery.token, image.path, enroll_face=0, wait_for_result=1)
+            assert response.status_code == 200, response.text
+            data = dict(response.json()["result"]["data"])
+            data.pop("reference_id")
+            assert isinstance(data["age"], int)
+            baseline[image.path] = data
+    return baseline
+
+
+# -- 1, 2: a replica killed while transactions are in flight ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class Job:
+    kind: TransactionKind
+    photo: Path
+    identity: str | None  # face search: whose enrolled face must be the best match
+
+
+def _burst(gallery: Gallery, age_baseline: dict[Path, dict[str, Any]]) -> list[Job]:
+    """30 jobs: searches of photos 2 and 3 of each identity (not enrolled), with an age estimation after
+    every second search."""
+    searches = [
+        Job(TransactionKind.FACE_SEARCH, paths[index], identity)
+        for index in (1, 2)
+        for identity, paths in gallery.photos.items()
+    ]
+    ages = [Job(TransactionKind.AGE_ESTIMATION, path, None) for path in age_baseline]
+    jobs: list[Job] = []
+    for number, search in enumerate(searches):
+        jobs.append(search)
+        if number % 2 == 1:
+            jobs.append(ages[number // 2])
+    assert len(jobs) == 30
+    return jobs
+
+
+def _submit(http: httpx.Client, token: str, job: Job) -> str:
+    if job.kind is TransactionKind.FACE_SEARCH:
+        return reference_of(face_search_json(http, token, job.photo, enroll_face=0))
+    return reference_of(age_estimation(http, token, job.photo, enroll_face=0))
+
+
+def _check_result(
+    body: dict[str, Any], job: Job, gallery: Gallery, age_baseline: dict[Path, dict[str, Any]]
+) -> None:
+    assert body["status"] is True, body
+    data = body["result"]["data"]
+    if job.kind is TransactionKind.AGE_ESTIMATION:
+        assert {key: value for key, value in data.items() if key != "reference_id"} == age_baseline[job.photo]
+        return
+    assert job.identity is not None
+    assert data["face_search_response"]["result"]["is_face_found"] is True
+    matches = matched_faces(body)
+    assert matches, f"no match for {job.identity} ({job.photo.name})"
+    best = matches[0]
+    assert best[0] == gallery.face_of(job.identity), (job.photo.name, matches)
+    assert best[3] == reference_for(job.identity)
+
+
+def _kill_mid_flight(
+    host: ServiceHost, gallery: Gallery, age_baseline: dict[Path, dict[str, Any]], deployment: str
+) -> None:
+    service = host.current
+    jobs = _burst(gallery, age_baseline)
+    consumer_before = str(worker_status()["consumer"])
+    started = time.monotonic()
+    with service.http() as http:
+        submitted = {_submit(http, gallery.token, job): job for job in jobs}
+    assert len(submitted) == 30
+
+    def processing_seen() -> dict[str, str] | None:
+        states = states_of(service, submitted)
+        return states if "processing" in states.values() else None
+
+    states_at_kill = poll(processing_seen, 60, "a transaction of the burst to be processing", 0.05)
+    killed = kill_replica(deployment)
+    unfinished_at_kill = sum(state in ("queued", "processing") for state in states_at_kill.values())
+    processing_at_kill = sum(state == "processing" for state in states_at_kill.values())
+    # The worker's claimed-but-unacknowledged entries right after the kill (its in-flight set).
+    held_after_kill = pending_entries(service).get(consumer_before, 0)
+    assert processing_at_kill >= 1 and unfinished_at_kill >= 1
+
+    replacement = wait_replaced(deployment, killed, 120)
+    assert replacement != killed
+    if deployment == "TransactionWorker":
+        # A new consumer took over; the dead one's entries were reclaimed (checked by the drained queue).
+        assert worker_status()["consumer"] != consumer_before
+
+    finished = wait_all_final(service, submitted, FINISH_TIMEOUT_S)
+    elapsed = time.monotonic() - started
+    completed = [ref for ref, tx in finished.items() if tx.state is TransactionState.COMPLETED]
+    failed = {ref: tx.error for ref, tx in finished.items() if tx.state is not TransactionState.COMPLETED}
+    assert not failed, f"{len(completed)}/{len(submitted)} completed; failed: {failed}"
+    bodies = final_results(service, gallery.token, submitted)
+    for reference_id, job in submitted.items():
+        _check_result(bodies[reference_id], job, gallery, age_baseline)
+    retried = sum(tx.attempts > 1 for tx in finished.values())
+    # Every entry was acknowledged in the end, the dead consumer's included: nothing is left pending.
+    poll(lambda: queue_depth(service) == 0, 30, "the work queue to drain")
+    assert sum(pending_entries(service).values()) == 0
+    print(
+        f"FAULTS {deployment} killed: {len(completed)}/{len(submitted)} completed correctly in "
+        f"{elapsed:.1f} s; at the kill {unfinished_at_kill} unfinished ({processing_at_kill} processing), "
+        f"{held_after_kill} entries held by the worker; {retried} processed more than once"
+    )
+
+
+def test_worker_replica_killed_mid_flight_loses_nothing(
+    host: ServiceHost, gallery: Gallery, age_baseline: dict[Path, dict[str, Any]]
+) -> None:
+    _kill_mid_flight(host, gallery, age_baseline, "TransactionWorker")
+
+
+def test_model_replica_killed_mid_flight_loses_nothing(
+    host: ServiceHost, gallery: Gallery, age_baseline: dict[Path, dict[str, Any]]
+) -> None:
+    _kill_mid_flight(host, gallery, age_baseline, "FaceAnalysisModel")
+
+
+# -- 5: concurrent overrides of one client_reference ------------------------------------------------------
+
+
+def test_concurrent_overrides_leave_exactly_one_image(host: ServiceHost, faces_dev: FacesDev) -> None:
+    service = host.current
+    client = service.new_client("faults-override")
+    tenant_id = client.client_id
+    token = service.token_for(client)
+    reference = "race-subject"
+    people = list(faces_dev.by_identity().items())[:7]
+    first_photos = people[0][1]
+    contenders = people[1:]
+    assert len(contenders) == 6
+
+    with service.http() as http:
+        initial = reference_of(
+            face_search_json(http, token, first_photos[0].path, client_reference=reference)
+        )
+    assert wait_all_final(service, [initial], FINISH_TIMEOUT_S)[initial].state is TransactionState.COMPLETED
+
+    barrier = threading.Barrier(len(contenders))
+
+    def override(photo: Path) -> str:
+        with service.http() as own_http:
+            barrier.wait(timeout=30)
+            return reference_of(
+                face_search_json(own_http, token, photo, client_reference=reference, allow_override=1)
+            )
+
+    with ThreadPoolExecutor(max_workers=len(contenders)) as pool:
+        references = list(pool.map(override, [photos[0].path for _, photos in contenders]))
+    by_reference = {ref: identity for ref, (identity, _) in zip(references, contenders, strict=True)}
+    assert len(by_reference) == 6
+
+    finished = wait_all_final(service, references, FINISH_TIMEOUT_S)
+    assert {tx.state for tx in finished.values()} == {TransactionState.COMPLETED}
+    # The latest submission wins, whatever order the worker finished them in.
+    winner = max(references, key=lambda ref: finished[ref].created_at)
+    winner_face = enrolled_face_id(winner)
+
+    records = tenant_records(service, tenant_id)
+    with_reference = [record for record in records if record.client_reference == reference]
+    assert [record.face_id for record in with_reference] == [winner_face]
+    assert {record.face_id for record in records} == {winner_face}
+    assert tenant_vectors(service, tenant_id) == {winner_face}
+
+    async def latest_and_blobs(stores: Stores) -> tuple[FaceRecord | None, set[str]]:
+        latest = await stores.records.latest_for_reference(tenant_id, reference)
+        kept = set()
+        for ref in [initial, *references]:
+            if await stores.blobs.get(upload_key(tenant_id, ref)) is not None:
+                kept.add(ref)
+        return latest, kept
+
+    latest, kept_uploads = stores_of(service, latest_and_blobs)
+    assert latest is not None and latest.face_id == winner_face
+    assert kept_uploads == {winner}, "only the surviving face's image may be kept"
+
+    # Over HTTP: the reference is returned at most once by any search, and only for the winner's face.
+    with service.http() as http:
+        probes = {
+            identity: reference_of(face_search_json(http, token, photos[1].path, enroll_face=0))
+            for identity, photos in people
+        }
+    wait_all_final(service, probes.values(), FINISH_TIMEOUT_S)
+    bodies = final_results(service, token, probes.values())
+    winner_identity = by_reference[winner]
+    for identity, probe in probes.items():
+        returned = [match for match in matched_faces(bodies[probe]) if match[3] == reference]
+        assert len(returned) == (1 if identity == winner_identity else 0), (identity, returned)
+        if returned:
+            assert returned[0][0] == winner_face
+            proof = httpx.get(returned[0][2], timeout=30)
+            assert proof.status_code == 200
+            assert proof.content == dict(people)[winner_identity][0].path.read_bytes()
+    print(
+        f"FAULTS override race: 6/6 completed, 1 face left for the reference (winner {winner_identity}), "
+        f"{len(records)} record(s) and {len(tenant_vectors(service, tenant_id))} vector(s) for the tenant"
+    )
+
+
+# -- 4: Redis and Milvus outages ---------------------------------------------------------------------------
+
+
+def _assert_unavailable(response: httpx.Response, elapsed_s: float) -> None:
+    assert response.status_code == 503, response.text
+    body = response.json()
+    assert body["status"] is False
+    assert "Redis is unavailable" in body["message"], body["message"]
+    assert isinstance(body["errors"], dict)
+    assert "Traceback" not in response.text
+    assert int(response.headers["Retry-After"]) > 0
+    assert elapsed_s < OUTAGE_ANSWER_LIMIT_S, f"the 503 took {elapsed_s:.1f} s"
+
+
+def test_redis_outage_is_refused_quickly_and_recovers_without_restart(
+    host: ServiceHost, faces_dev: FacesDev
+) -> None:
+    service = host.current
+    redis = service.embedded.redis
+    assert redis is not None
+    client = service.new_client("faults-redis")
+    token = service.token_for(client)
+    identity, photos = next(iter(faces_dev.by_identity().items()))
+    age_photo = faces_dev.of_kind("age")[0].path
+
+    with service.http() as http:
+        # Accepted right before the outage and not waited for: they must survive it.
+        accepted = [
+            reference_of(face_search_json(http, token, photos[0].path, client_reference="redis-subject")),
+            reference_of(age_estimation(http, token, age_photo, enroll_face=0)),
+        ]
+        redis.stop()
+        try:
+            calls = {
+                "face-search": lambda: face_search_json(http, token, photos[1].path, enroll_face=0),
+                "age-estimation": lambda: age_estimation(
+                    http, token, age_photo, enroll_face=0, wait_for_result=1
+                ),
+                "result": lambda: http.post(
+                    "/result", headers=auth(token), json={"reference_id": accepted[0]}
+                ),
+                "request-access-token": lambda: http.post(
+                    "/request-access-token",
+                    json={"client_id": client.client_id, "client_secret": client.client_secret},
+                ),
+            }
+            timings = {}
+            for name, call in calls.items():
+                started = time.monotonic()
+                response = call()
+                timings[name] = time.monotonic() - started
+                _assert_unavailable(response, timings[name])
+        finally:
+            redis.start()
+
+        # No restart: the same ingress and worker reconnect by themselves.
+        def created() -> str | None:
+            response = face_search_json(http, token, photos[1].path, enroll_face=0)
+            if response.status_code == 503:
+                return None
+            return reference_of(response)
+
+        started = time.monotonic()
+        after = poll(created, 60, "a create call to succeed after Redis came back", 0.5)
+        recovered_s = time.monotonic() - started
+
+    finished = wait_all_final(service, [*accepted, after], FINISH_TIMEOUT_S)
+    assert {tx.state for tx in finished.values()} == {TransactionState.COMPLETED}
+    age_result = finished[accepted[1]].result
+    assert age_result is not None and isinstance(age_result["age"], int)
+    # The enrolment accepted just before the outage completed: a search now finds it.
+    with service.http() as http:
+        check = reference_of(face_search_json(http, token, photos[2].path, enroll_face=0))
+    assert wait_all_final(service, [check], FINISH_TIMEOUT_S)[check].state is TransactionState.COMPLETED
+    best = matched_faces(final_results(service, token, [check])[check])[0]
+    assert best[0] == enrolled_face_id(accepted[0]) and best[3] == "redis-subject", (identity, best)
+    print(
+        "FAULTS redis down: "
+        + ", ".join(f"{name} 503 in {seconds:.2f} s" for name, seconds in timings.items())
+        + f"; first create accepted {recovered_s:.1f} s after restart; 3/3 transactions completed"
+    )
+
+
+def test_milvus_outage_delays_but_loses_nothing_and_leaves_no_half_state(
+    host: ServiceHost, faces_dev: FacesDev
+) -> None:
+    service = host.current
+    milvus = service.embedded.milvus
+    assert milvus is not None
+    client = service.new_client("faults-milvus")
+    tenant_id = client.client_id
+    token = service.token_for(client)
+    people = list(faces_dev.by_identity().items())[:3]
+    age_photo = faces_dev.of_kind("age")[1].path
+
+    with service.http() as http:
+        first = {
+            identity: reference_of(
+                face_search_json(http, token, photos[0].path, client_reference=f"mv-{identity}")
+            )
+            for identity, photos in people
+        }
+    assert {tx.state for tx in wait_all_final(service, first.values(), FINISH_TIMEOUT_S).values()} == {
+        TransactionState.COMPLETED
+    }
+
+    milvus.stop()
+    try:
+        with service.http() as http:
+            # Searches that enrol (vectors to write) and searches that do not (a vector search to run).
+            during: dict[str, tuple[str, bool]] = {}
+            for identity, photos in people:
+                during[
+                    reference_of(
+                        face_search_json(http, token, photos[1].path, client_reference=f"mv2-{identity}")
+                    )
+                ] = (identity, True)
+                during[reference_of(face_search_json(http, token, photos[2].path, enroll_face=0))] = (
+                    identity,
+                    False,
+                )
+            # Age estimation without enrolment needs no Milvus: it completes during the outage.
+            age_ref = reference_of(age_estimation(http, token, age_photo, enroll_face=0))
+        assert wait_all_final(service, [age_ref], 60)[age_ref].state is TransactionState.COMPLETED
+
+        def retried() -> dict[str, Transaction] | None:
+            found = transactions_of(service, during)
+            assert all(not tx.state.is_final for tx in found.values()), "finished without Milvus"
+            # Every one was attempted, and at least one was reclaimed and attempted again.
+            if all(tx.attempts >= 1 for tx in found.values()) and any(
+                tx.attempts >= 2 for tx in found.values()
+            ):
+                return found
+            return None
+
+        during_outage = poll(retried, 60, "the worker to attempt and retry the transactions", 0.5)
+    finally:
+        milvus.start()
+    attempts_during_outage = max(tx.attempts for tx in during_outage.values())
+
+    finished = wait_all_final(service, during, FINISH_TIMEOUT_S)
+    failed = {ref: tx.error for ref, tx in finished.items() if tx.state is not TransactionState.COMPLETED}
+    assert not failed, f"transactions failed by a Milvus outage: {failed}"
+    bodies = final_results(service, token, during)
+    for reference_id, (identity, _enrols) in during.items():
+        references = [match[3] for match in matched_faces(bodies[reference_id])]
+        assert references and references[0] in (f"mv-{identity}", f"mv2-{identity}"), (identity, references)
+        assert f"mv-{identity}" in references
+
+    expected_faces = {enrolled_face_id(ref) for ref in first.values()} | {
+        enrolled_face_id(ref) for ref, (_, enrols) in during.items() if enrols
+    }
+    assert {record.face_id for record in tenant_records(service, tenant_id)} == expected_faces
+    assert tenant_vectors(service, tenant_id) == expected_faces
+
+    # Nothing anywhere is in flight any more, so records and vectors must agree exactly.
+    def idle() -> bool:
+        counts = count_by_state(service)
+        return counts["queued"] == 0 and counts["processing"] == 0 and queue_depth(service) == 0
+
+    poll(idle, 60, "every transaction in the service to be final")
+
+    async def repair(stores: Stores) -> tuple[ReconcileReport, set[tuple[str, str]], set[tuple[str, str]]]:
+        report = await reconcile(stores.records, stores.gallery, stores.blobs)
+        return report, await stores.records.all_face_ids(), await stores.gallery.all_face_ids()
+
+    report, record_ids, vector_ids = stores_of(service, repair)
+    assert (report.vectors_removed, report.records_removed, report.records_in_grace) == (0, 0, 0), report
+    assert record_ids == vector_ids
+    assert report.records == report.vectors == len(record_ids)
+    print(
+        f"FAULTS milvus down: {len(during)}/{len(during)} completed after it came back (up to "
+        f"{attempts_during_outage} attempts during the outage); reconcile over {report.records} faces "
+        f"found nothing to repair"
+    )
+
+
+# -- 3: a full restart on the same data directory ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Injected:
+    reference_id: str
+    job: Job
+
+
+def _inject(
+    settings: Settings, redis_url: str, tenant_id: str, jobs: list[Job], dead_consumer: str | None
+) -> list[Injected]:
+    """Write transactions straight into the stores, as create calls would have; with dead_consumer, every
+    entry not yet delivered is then claimed by a consumer that will never come back (a crashed worker)."""
+
+    async def write(stores: Stores) -> list[Injected]:
+        injected = []
+        for job in jobs:
+            now = time.time()
+            reference_id = new_reference_id()
+            tx = Transaction(
+                reference_id=reference_id,
+                tenant_id=tenant_id,
+                kind=job.kind,
+                state=TransactionState.QUEUED,
+                created_at=now,
+                updated_at=now,
+                image_key=upload_key(tenant_id, reference_id),
+                enroll_face=False,
+            )
+            content_type = "image/png" if job.photo.suffix.lower() == ".png" else "image/jpeg"
+            await stores.blobs.put(tx.image_key, job.photo.read_bytes(), content_type)
+            await stores.transactions.create_and_enqueue(tx)
+            injected.append(Injected(reference_id, job))
+        if dead_consumer is not None:
+            claimed = await stores.transactions.claim(dead_consumer, 1000, 0)
+            assert claimed
+            for entry in claimed:
+                await stores.transactions.mark_processing(entry.reference_id)
+        return injected
+
+    return with_stores(redis_url, None, settings, write)
+
+
+def test_full_restart_keeps_data_and_finishes_unfinished_work(
+    host: ServiceHost, gallery: Gallery, age_baseline: dict[Path, dict[str, Any]]
+) -> None:
+    service = host.current
+    identities = list(gallery.photos)
+    subject = identities[0]
+
+    # Finished before the restart: a search whose match carries a proof URL, and the enrolments.
+    with service.http() as http:
+        probe = reference_of(face_search_json(http, gallery.token, gallery.photos[subject][1], enroll_face=0))
+    wait_all_final(service, [probe], FINISH_TIMEOUT_S)
+    finished_before = final_results(service, gallery.token, [probe, *gallery.enrolled.values()])
+    old_proof_url = matched_faces(finished_before[probe])[0][2]
+    assert httpx.get(old_proof_url, timeout=30).content == gallery.photos[subject][0].read_bytes()
+    records_before = {record.face_id for record in tenant_records(service, gallery.tenant_id)}
+
+    # Accepted right before shutdown and not waited for.
+    late_jobs = [Job(TransactionKind.FACE_SEARCH, gallery.photos[i][2], i) for i in identities[:6]]
+    with service.http() as http:
+        late = {_submit(http, gallery.token, job): job for job in late_jobs}
+
+    settings = service.settings
+    age_photos = list(age_baseline)
+    down: dict[str, Any] = {}
+
+    def while_down(data_dir: Path) -> None:
+        with EmbeddedServices(data_dir, milvus=False) as backends:
+            assert backends.redis_url is not None
+            unfinished = [
+                ref
+                for ref, tx in with_stores(
+                    backends.redis_url, None, settings, lambda stores: _read_all(stores, list(late))
+                ).items()
+                if not tx.state.is_final
+            ]
+            down["unfinished_late"] = len(unfinished)
+            # One transaction held by a worker that crashed (with every entry not yet delivered), then
+            # two queued while the application was down.
+            stranded = _inject(
+                settings,
+                backends.redis_url,
+                gallery.tenant_id,
+                [Job(TransactionKind.FACE_SEARCH, gallery.photos[identities[6]][2], identities[6])],
+                dead_consumer="crashed-worker",
+            )
+            queued = _inject(
+                settings,
+                backends.redis_url,
+                gallery.tenant_id,
+                [
+                    Job(TransactionKind.FACE_SEARCH, gallery.photos[identities[7]][2], identities[7]),
+                    Job(TransactionKind.AGE_ESTIMATION, age_photos[0], None),
+                ],
+                dead_consumer=None,
+            )
+            down["injected"] = stranded + queued
+
+    started = time.monotonic()
+    service = host.restart(while_down)
+    restart_s = time.monotonic() - started
+    injected: list[Injected] = down["injected"]
+    pending = {**late, **{item.reference_id: item.job for item in injected}}
+
+    finished = wait_all_final(service, pending, FINISH_TIMEOUT_S)
+    failed = {ref: tx.error for ref, tx in finished.items() if tx.state is not TransactionState.COMPLETED}
+    assert not failed, failed
+    # The access token issued before the restart is still valid (the signing key lives in the data dir).
+    bodies = final_results(service, gallery.token, pending)
+    for reference_id, job in pending.items():
+        _check_result(bodies[reference_id], job, gallery, age_baseline)
+
+    # Finished results read the same (proof URLs are minted per read, so they are compared by content).
+    finished_after = final_results(service, gallery.token, finished_before)
+    for reference_id, body in finished_before.items():
+        assert without_proof_urls(finished_after[reference_id]) == without_proof_urls(body)
+    new_proof_url = matched_faces(finished_after[probe])[0][2]
+    assert new_proof_url.startswith(service.base_url)
+    assert httpx.get(new_proof_url, timeout=30).content == gallery.photos[subject][0].read_bytes()
+    # A proof URL handed out before the restart still works against the restarted service.
+    old_token = old_proof_url.rsplit("/get-proof/", 1)[1]
+    old_again = httpx.get(f"{service.base_url}/get-proof/{old_token}", timeout=30)
+    assert old_again.status_code == 200 and old_again.content == gallery.photos[subject][0].read_bytes()
+
+    # Enrolled faces still match: every identity's second photo finds its own enrolled face first.
+    search_jobs = [Job(TransactionKind.FACE_SEARCH, gallery.photos[i][1], i) for i in identities]
+    with service.http() as http:
+        searches = {_submit(http, gallery.token, job): job for job in search_jobs}
+    wait_all_final(service, searches, FINISH_TIMEOUT_S)
+    search_bodies = final_results(service, gallery.token, searches)
+    for reference_id, job in searches.items():
+        _check_result(search_bodies[reference_id], job, gallery, age_baseline)
+    assert {record.face_id for record in tenant_records(service, gallery.tenant_id)} == records_before
+    assert tenant_vectors(service, gallery.tenant_id) == records_before
+    poll(lambda: queue_depth(service) == 0, 30, "the work queue to drain")
+    print(
+        f"FAULTS restart: {len(pending)}/{len(pending)} unfinished-or-injected completed after the restart "
+        f"({down['unfinished_late']}/{len(late)} submitted before shutdown were unfinished, "
+        f"{len(injected)} injected while down, 1 of them stranded on a dead consumer); "
+        f"{len(searches)}/{len(searches)} identities still matched; restart took {restart_s:.1f} s"
+    )
+
+
+async def _read_all(stores: Stores, reference_ids: list[str]) -> dict[str, Transaction]:
+    found = {}
+    for reference_id in reference_ids:
+        tx = await stores.transactions.get(reference_id)
+        assert tx is not None, f"transaction {reference_id} lost by the shutdown"
+        found[reference_id] = tx
+    return found
