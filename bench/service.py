@@ -13,6 +13,10 @@ down at the end. Each phase is bounded by --requests and --phase-timeout.
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # read by ray at import: stay on 127.0.0.1
+
 import argparse
 import asyncio
 import base64

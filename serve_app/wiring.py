@@ -3,6 +3,7 @@ and the tests, so each gets the same stores configured the same way."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,11 +106,13 @@ def worker_policy(settings: Settings, overrides: dict[str, Any]) -> WorkerPolicy
 
 
 def build_worker(
-    settings: Settings, analysis: FaceAnalysisBackend, consumer: str
+    settings: Settings,
+    analysis: FaceAnalysisBackend,
+    consumer: str,
+    on_processed: Callable[[float], None] | None = None,
 ) -> tuple[QueueWorker, RedisStores]:
     stores = redis_stores(settings)
     processor = build_processor(settings, analysis)
-    worker = QueueWorker(
-        consumer, stores.transactions, stores.transactions, processor, worker_policy(settings, {})
-    )
+    policy = worker_policy(settings, {})
+    worker = QueueWorker(consumer, stores.transactions, stores.transactions, processor, policy, on_processed)
     return worker, stores

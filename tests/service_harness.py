@@ -3,6 +3,12 @@
 
 from __future__ import annotations
 
+import os
+
+# Ray reads this once, when it is first imported: set it before anything imports ray, so a local Ray uses
+# 127.0.0.1 instead of the machine's external address.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 import asyncio
 import contextlib
 import dataclasses

@@ -5,12 +5,29 @@ from __future__ import annotations
 
 from typing import Any
 
+# The field rules below state exactly what serve_app.api.parsing accepts. Flag strings are compared after
+# str.strip() and lower(), and an empty string (or a JSON null) counts as absent; str.strip() also removes
+# \x1c-\x1f and \x85, which \s need not match.
+_STRIPPED = "[\\s\\x1c-\\x1f\\x85]*"
+
+
+def _flag_string(words: str) -> dict[str, Any]:
+    return {"type": "string", "pattern": f"^({_STRIPPED}({words}){_STRIPPED})?$"}
+
+
 _BOOL_01 = {
     "oneOf": [
         {"type": "boolean"},
         {"type": "integer", "enum": [0, 1]},
-        {"type": "string", "enum": ["0", "1", "true", "false"]},
+        _flag_string("[01]|[Tt][Rr][Uu][Ee]|[Ff][Aa][Ll][Ss][Ee]"),
     ]
+}
+_JSON_BOOL_01 = {"oneOf": [*_BOOL_01["oneOf"], {"type": "null"}]}
+_CLIENT_REFERENCE = {
+    "type": "string",
+    "maxLength": 255,
+    "pattern": "^([^\\x00-\\x1f]{5,})?$",
+    "description": "5 to 255 characters, no control characters; empty means absent",
 }
 
 
@@ -64,9 +81,15 @@ _FAILED_TRANSACTION = _object(
 
 _FACE_SEARCH_FIELDS = {
     "type": {"type": "string", "enum": ["face_search"]},
-    "client_reference": {"type": "string", "minLength": 5, "maxLength": 255},
+    "client_reference": _CLIENT_REFERENCE,
     "allow_override": _BOOL_01,
     "enroll_face": _BOOL_01,
+}
+_FACE_SEARCH_JSON_FIELDS = {
+    **_FACE_SEARCH_FIELDS,
+    "client_reference": {**_CLIENT_REFERENCE, "type": ["string", "null"]},
+    "allow_override": _JSON_BOOL_01,
+    "enroll_face": _JSON_BOOL_01,
 }
 
 REQUEST_BODIES: dict[str, dict[str, Any]] = {
@@ -91,7 +114,7 @@ REQUEST_BODIES: dict[str, dict[str, Any]] = {
                 "application/json": {
                     "schema": _object(
                         {
-                            **_FACE_SEARCH_FIELDS,
+                            **_FACE_SEARCH_JSON_FIELDS,
                             "file": {
                                 "type": "string",
                                 "pattern": "^data:image/(jpeg|jpg|png);base64,",
@@ -131,7 +154,7 @@ REQUEST_BODIES: dict[str, dict[str, Any]] = {
                                 "description": ".jpg, .jpeg or .png",
                             },
                             "enroll_face": _BOOL_01,
-                            "wait_for_result": {"type": "string", "enum": ["0", "1"]},
+                            "wait_for_result": _flag_string("[01]"),
                         },
                         ["type", "file"],
                     )

@@ -65,6 +65,12 @@ async def read_body(request: Request, accepted: tuple[str, ...], max_part_bytes:
     fields: dict[str, Any] = {}
     files: dict[str, UploadFile] = {}
     for key, value in form.multi_items():
+        # A repeated field is ambiguous (which value counts?): refuse it rather than let the last one win.
+        if key in fields or key in files:
+            name = key[:100]
+            raise ValidationFailed(
+                f"The field '{name}' is given more than once.", {name: "given more than once"}
+            )
         if isinstance(value, str):
             fields[key] = value
         else:

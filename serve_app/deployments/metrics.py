@@ -46,10 +46,7 @@ class WorkerMetrics:
             "facesearch_transactions", "Transactions by state", tag_keys=("state",)
         )
         self._latency = metrics.Histogram(
-            "facesearch_transaction_seconds",
-            "Time from claim to final state",
-            boundaries=_LATENCY_BOUNDARIES,
-            tag_keys=("kind",),
+            "facesearch_transaction_seconds", "Time from claim to final state", boundaries=_LATENCY_BOUNDARIES
         )
 
     def observe_queue(self, depth: int, in_flight: int, by_state: dict[str, int]) -> None:
@@ -58,5 +55,5 @@ class WorkerMetrics:
         for state, count in by_state.items():
             self._by_state.set(count, tags={"state": state})
 
-    def observe_transaction(self, kind: str, seconds: float) -> None:
-        self._latency.observe(seconds, tags={"kind": kind})
+    def observe_transaction(self, seconds: float) -> None:
+        self._latency.observe(seconds)

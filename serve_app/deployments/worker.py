@@ -61,8 +61,10 @@ class TransactionWorker:
             raise ValueError("TransactionWorker needs either analysis_model or detector, embedder and age")
         self._settings = settings
         self._consumer = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self._worker, self._stores = build_worker(settings, analysis, self._consumer)
         self._metrics = WorkerMetrics()
+        self._worker, self._stores = build_worker(
+            settings, analysis, self._consumer, self._metrics.observe_transaction
+        )
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         # Serve runs constructors inside the replica's event loop: start consuming right away.

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from serve_app.domain.errors import BackendUnavailable
@@ -35,8 +37,11 @@ class QueueWorker:
         transactions: TransactionStore,
         processor: TransactionProcessor,
         policy: WorkerPolicy,
+        on_processed: Callable[[float], None] | None = None,
     ) -> None:
+        """on_processed receives the seconds each successfully processed transaction took (metrics)."""
         self.consumer = consumer
+        self._on_processed = on_processed
         self._queue = queue
         self._transactions = transactions
         self._processor = processor
@@ -96,6 +101,7 @@ class QueueWorker:
             await self._transactions.fail(entry.reference_id, "The transaction could not be processed.")
             await self._queue.ack([entry.entry_id])
             return
+        started = time.perf_counter()
         try:
             await self._processor.process(entry.reference_id)
         except Exception:
@@ -105,6 +111,8 @@ class QueueWorker:
             )
             return
         self.processed += 1
+        if self._on_processed is not None:
+            self._on_processed(time.perf_counter() - started)
         try:
             await self._queue.ack([entry.entry_id])
         except BackendUnavailable:
