@@ -251,5 +251,13 @@ def _report(environment: Environment, **_: Any) -> None:
     stats = environment.stats.total
     p50, p99 = stats.get_response_time_percentile(0.5), stats.get_response_time_percentile(0.99)
     print(f"requests={stats.num_requests} failures={stats.num_failures} p50={p50:.0f}ms p99={p99:.0f}ms")
+    for entry in sorted(environment.stats.entries.values(), key=lambda entry: entry.name):
+        print(
+            f"  {entry.method} {entry.name}: requests={entry.num_requests} failures={entry.num_failures} "
+            f"p50={entry.get_response_time_percentile(0.5):.0f}ms "
+            f"p99={entry.get_response_time_percentile(0.99):.0f}ms"
+        )
+    for error in environment.stats.errors.values():
+        print(f"failure: {error.occurrences} x {error.method} {error.name}: {error.error}")
     if stats.num_failures:
         environment.process_exit_code = 1

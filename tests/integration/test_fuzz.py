@@ -13,8 +13,9 @@ Requests come from a second loopback address (127.0.0.2 where it can be bound), 
 fuzzing /request-access-token produces throttle that address only, never the 127.0.0.1 the rest of the
 session logs in from; the counters are reset afterwards either way.
 
-FACESEARCH_FUZZ_EXAMPLES (default 30) sets the examples per operation and mode, FACESEARCH_FUZZ_SEED
-replays a run (the seed is printed, and named in every failure).
+FACESEARCH_FUZZ_EXAMPLES (default 40) sets the examples per operation and mode,
+FACESEARCH_FUZZ_REALISTIC_EXAMPLES (default 40) those of the realistic fuzzer, and FACESEARCH_FUZZ_SEED
+replays a run (the seed is printed with each test's summary, and named in every failure).
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ import json
 import os
 import random
 import socket
+import struct
 import time
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -182,7 +185,8 @@ class FuzzLog:
                 self.messages[f"{status} {body['message']}"] += 1
 
     def assert_clean(self, minimum_requests: int) -> None:
-        print(f"{self.label}: {self.requests} requests, statuses {dict(sorted(self.statuses.items()))}")
+        statuses = dict(sorted(self.statuses.items()))
+        print(f"{self.label} (seed {SEED}): {self.requests} requests, statuses {statuses}")
         for message, count in self.messages.most_common(4):
             print(f"    {count:3d} x {message[:100]}")
         details = "\n".join(f"- {key}: {detail}" for key, detail in self.problems.items())
@@ -350,8 +354,6 @@ def encode(image: Image.Image, fmt: str, **params: Any) -> bytes:
 def png_claiming(width: int, height: int) -> bytes:
     """A PNG whose header claims width x height but whose data is one tiny IDAT: the pixel limit must
     refuse it (413) from the header, before anything is allocated."""
-    import struct
-    import zlib
 
     def chunk(kind: bytes, payload: bytes) -> bytes:
         body = kind + payload
@@ -514,18 +516,25 @@ def send(http: httpx.Client, target: FuzzTarget, sent: Sent, log: FuzzLog) -> ht
     return response
 
 
+def check_success(response: httpx.Response, log: FuzzLog) -> dict[str, Any]:
+    """The data of a 2xx success envelope. The ingress decodes every image before accepting it, so an
+    accepted transaction must never end `failed` (status false)."""
+    body = response.json()
+    data = body.get("result", {}).get("data") if isinstance(body, dict) else None
+    if not isinstance(data, dict) or body.get("status") is not True:
+        log.problem(f"{response.status_code} is not a success envelope", response.text[:300])
+        return {}
+    return data
+
+
 def check_accepted(response: httpx.Response, log: FuzzLog, accepted: list[str]) -> None:
-    """A 2xx is the success envelope with a reference_id (and, when final, the age fields)."""
     if response.status_code not in (200, 202):
         return
-    body = response.json()
-    data = body.get("result", {}).get("data", {}) if isinstance(body, dict) else {}
-    if not isinstance(data, dict) or not isinstance(data.get("reference_id"), str):
+    reference_id = check_success(response, log).get("reference_id")
+    if not isinstance(reference_id, str):
         log.problem(f"{response.status_code} without reference_id", response.text[:300])
         return
-    accepted.append(data["reference_id"])
-    if body.get("status") is not True and data.get("state") != "failed":
-        log.problem(f"{response.status_code} status is not true", response.text[:300])
+    accepted.append(reference_id)
 
 
 def test_realistic_bodies(http: httpx.Client, target: FuzzTarget, photos: list[bytes]) -> None:
@@ -560,6 +569,7 @@ def test_realistic_bodies(http: httpx.Client, target: FuzzTarget, photos: list[b
         for reference_id in sorted(pending):
             response = send(http, target, Sent("/result", {"json": {"reference_id": reference_id}}), log)
             if response.status_code == 200:
+                check_success(response, log)
                 pending.discard(reference_id)
         time.sleep(0.5)
     assert not log.problems, log.problems

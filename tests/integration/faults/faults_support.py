@@ -292,8 +292,8 @@ def wait_replaced(deployment: str, killed: str, timeout_s: float) -> str:
     from ray import serve
 
     def replaced() -> str | None:
-        names = [name for name in replica_names(deployment) if name != killed]
-        if killed in replica_names(deployment) or len(names) != 1:
+        names = replica_names(deployment)
+        if killed in names or len(names) != 1:
             return None
         app = serve.status().applications.get(APP_NAME)
         if app is None or app.status != "RUNNING":
