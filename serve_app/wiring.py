@@ -44,7 +44,8 @@ def _require(value: str | None, name: str) -> str:
 
 
 def redis_stores(settings: Settings) -> RedisStores:
-    redis = connect_redis(_require(settings.redis_url, "REDIS_URL"))
+    # Every wait_for_result waiter holds a connection (BLPOP): size the pool well above max_ongoing_requests.
+    redis = connect_redis(_require(settings.redis_url, "REDIS_URL"), max_connections=1024)
     prefix = settings.key_prefix
     return RedisStores(
         transactions=RedisTransactionStore(redis, prefix=prefix),

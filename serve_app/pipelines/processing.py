@@ -82,6 +82,13 @@ class TransactionProcessor:
         if not tx.enroll_face or not result.get("_enrolled"):
             await self._blobs.delete(tx.image_key)  # nothing refers to the upload any more
 
+    async def give_up(self, reference_id: str, message: str) -> None:
+        """Fail a transaction that cannot be processed, and drop its upload unless it became a proof."""
+        await self._transactions.fail(reference_id, message)
+        tx = await self._transactions.get(reference_id)
+        if tx is not None and await self._records.get(tx.tenant_id, enrolled_face_id(reference_id)) is None:
+            await self._blobs.delete(tx.image_key)
+
     async def _load_image(self, tx: Transaction) -> Any:
         stored = await self._blobs.get(tx.image_key)
         if stored is None:

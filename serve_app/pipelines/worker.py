@@ -7,6 +7,8 @@ leaves it pending; any live worker reclaims it after `stale_after_s` and finishe
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -27,6 +29,7 @@ class WorkerPolicy:
     claim_block_ms: int = 1000
     reclaim_every_s: float = 5.0
     backoff_s: float = 1.0
+    outage_backoff_s: float = 2.0
 
 
 class QueueWorker:
@@ -47,6 +50,7 @@ class QueueWorker:
         self._processor = processor
         self._policy = policy
         self._in_flight: set[asyncio.Task[None]] = set()
+        self._active_entries: set[str] = set()
         self.processed = 0
 
     def update_policy(self, policy: WorkerPolicy) -> None:
@@ -91,19 +95,37 @@ class QueueWorker:
 
     async def _start_all(self, entries: list[QueueEntry]) -> None:
         for entry in entries:
+            if entry.entry_id in self._active_entries:
+                continue  # reclaimed from ourselves while still being processed: don't run it twice
+            self._active_entries.add(entry.entry_id)
             task = asyncio.create_task(self._handle(entry))
             self._in_flight.add(task)
             task.add_done_callback(self._in_flight.discard)
+            task.add_done_callback(functools.partial(self._finished, entry.entry_id))
+
+    def _finished(self, entry_id: str, _task: asyncio.Task[None]) -> None:
+        self._active_entries.discard(entry_id)
 
     async def _handle(self, entry: QueueEntry) -> None:
         if entry.deliveries > self._policy.max_deliveries:
-            # A poison entry: fail its transaction rather than retry forever.
-            await self._transactions.fail(entry.reference_id, "The transaction could not be processed.")
+            # A poison entry (its attempts failed or killed their worker): fail it rather than retry forever.
+            await self._processor.give_up(entry.reference_id, "The transaction could not be processed.")
             await self._queue.ack([entry.entry_id])
             return
         started = time.perf_counter()
         try:
             await self._processor.process(entry.reference_id)
+        except BackendUnavailable as error:
+            # An outage is not the transaction's fault: after a pause, put it back with a fresh delivery
+            # count so a long outage delays transactions but never fails them. If Redis itself is down the
+            # requeue fails too, and the entry stays pending until it is reclaimed.
+            logger.warning(
+                "worker %s: %s; transaction %s requeued", self.consumer, error.message, entry.reference_id
+            )
+            await asyncio.sleep(self._policy.outage_backoff_s)
+            with contextlib.suppress(BackendUnavailable):
+                await self._queue.requeue(entry)
+            return
         except Exception:
             # Not acknowledged: it stays pending and is reclaimed and retried after stale_after_s.
             logger.exception(

@@ -52,6 +52,11 @@ class WorkQueue(Protocol):
 
     async def ack(self, entry_ids: Sequence[str]) -> None: ...
 
+    async def requeue(self, entry: QueueEntry) -> None:
+        """Put the transaction back as a new, never-delivered entry and drop the old one, atomically: used
+        when a backend outage (not the transaction) made an attempt fail, so outages never count towards
+        the poison-message limit."""
+
     async def depth(self) -> int:
         """Entries not yet acknowledged (pending + undelivered)."""
 

@@ -313,6 +313,13 @@ class RedisTransactionStore:
             pipe.xdel(self._stream, *entry_ids)
             await pipe.execute()
 
+    async def requeue(self, entry: QueueEntry) -> None:
+        async with redis_errors(), self._redis.pipeline(transaction=True) as pipe:
+            pipe.xadd(self._stream, {"ref": entry.reference_id})
+            pipe.xack(self._stream, self._group, entry.entry_id)
+            pipe.xdel(self._stream, entry.entry_id)
+            await pipe.execute()
+
     async def depth(self) -> int:
         """Entries not yet acknowledged: acknowledged ones are deleted, so this is the stream length."""
         async with redis_errors():

@@ -115,6 +115,7 @@ class FakeWorkQueue:
         self._pending: dict[str, _Pending] = {}
         self.acked: list[str] = []
         self.deliveries: list[QueueEntry] = []  # every hand-out, in order
+        self.requeued: list[str] = []  # reference ids put back after a backend outage
 
     def add(self, reference_id: str) -> str:
         entry_id = f"{next(self._ids)}-0"
@@ -150,6 +151,12 @@ class FakeWorkQueue:
                 entries.append(QueueEntry(entry_id, pending.reference_id, pending.deliveries))
         self.deliveries.extend(entries)
         return entries
+
+    async def requeue(self, entry: QueueEntry) -> None:
+        await self._faults.check("queue.requeue")
+        if self._pending.pop(entry.entry_id, None) is not None:
+            self._undelivered.append((f"{next(self._ids)}-0", entry.reference_id))
+            self.requeued.append(entry.reference_id)
 
     async def ack(self, entry_ids: Sequence[str]) -> None:
         await self._faults.check("queue.ack")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -252,7 +253,7 @@ def test_run_stops_when_asked_and_drains_work_in_flight() -> None:
 def test_a_processing_error_is_logged_and_the_worker_keeps_going(caplog: pytest.LogCaptureFixture) -> None:
     async def scenario() -> None:
         world = new_world()
-        world.faults.arm("gallery.search")  # first transaction hits a backend outage mid-way
+        world.faults.arm("gallery.search", error=RuntimeError("a bug"))  # not an outage: stays pending
         bad = await submit(world)
         good = await submit(world)
         worker = make_worker(world)
@@ -264,3 +265,22 @@ def test_a_processing_error_is_logged_and_the_worker_keeps_going(caplog: pytest.
     with caplog.at_level(logging.WARNING):
         asyncio.run(scenario())
     assert "failed; will retry" in caplog.text
+
+
+def test_a_backend_outage_requeues_with_a_fresh_delivery_count_and_never_fails() -> None:
+    """Outages are not the transaction's fault: however many attempts hit one, it is requeued as a new,
+    never-delivered entry and completes once the backend is back."""
+
+    async def scenario() -> None:
+        world = new_world()
+        outages = 3 * make_worker(world)._policy.max_deliveries
+        world.faults.arm("gallery.search", times=outages)
+        tx = await submit(world)
+        worker = make_worker(world)
+        worker.update_policy(dataclasses.replace(worker._policy, outage_backoff_s=0.001))
+        async with running(worker):
+            await wait_until(lambda: state(world, tx) is TransactionState.COMPLETED, what="completed")
+        assert world.queue.requeued.count(tx.reference_id) == outages
+        assert all(entry.deliveries == 1 for entry in world.queue.deliveries)
+
+    asyncio.run(scenario())
