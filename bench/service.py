@@ -5,7 +5,9 @@ Rows: the in-process pipeline (models/analyzer.py, no Ray) in images/s; the runn
 clients with throughput and p50/p95/p99 latency; and the dlib-bin reference pipeline (HOG + 5-point
 landmarks + dlib descriptor, the way the face_recognition library does it).
 
-    python -m bench.service [--requests 64] [--topology fused] [--concurrency 1 8 32]
+    python -m bench.service [--requests 64] [--topology fused split] [--concurrency 1 8 32]
+
+With both topologies (the default) each gets a fresh service in turn, and the one table compares them.
 
 The service is started on 127.0.0.1 with embedded Redis and milvus-lite in a temporary directory and shut
 down at the end. Each phase is bounded by --requests and --phase-timeout.
@@ -181,7 +183,7 @@ def main() -> None:
     )
     parser.add_argument("--requests", type=int, default=64, help="requests per phase")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--topology", default="fused", choices=("fused", "split"))
+    parser.add_argument("--topology", nargs="+", default=["fused", "split"], choices=("fused", "split"))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--phase-timeout", type=float, default=300.0)
     args = parser.parse_args()
@@ -192,30 +194,40 @@ def main() -> None:
     pipeline_paths = faces + ages[:30]
     in_process = in_process_images_per_s(pipeline_paths, args.threads, rounds=2)
     reference = dlib_reference_images_per_s(pipeline_paths)
-    header = ["path", "clients", "images/s", "p50 ms", "p95 ms", "p99 ms", "failures"]
+    header = ["path", "topology", "clients", "images/s", "p50 ms", "p95 ms", "p99 ms", "failures"]
     rows = [
-        ["in-process pipeline (detect+align+embed+age)", "-", f"{in_process:.1f}", "", "", "", ""],
-        ["dlib-bin reference (HOG up1 + 5pt + descriptor)", "-", f"{reference:.1f}", "", "", "", ""],
+        ["in-process pipeline (detect+align+embed+age)", "-", "-", f"{in_process:.1f}", "", "", "", ""],
+        ["dlib-bin reference (HOG up1 + 5pt + descriptor)", "-", "-", f"{reference:.1f}", "", "", "", ""],
     ]
+    summaries = []
+    for topology in args.topology:
+        topology_rows = [[row[0], topology, *row[1:]] for row in measure_service(topology, faces, ages, args)]
+        rows += topology_rows
+        best = max(float(row[3]) for row in topology_rows if row[3] != "nan")
+        summaries.append(
+            f"{topology}: best service throughput / in-process {best / in_process:.0%}, "
+            f"service / dlib-bin reference {best / reference:.1f}x, median of p50s "
+            f"{statistics.median(float(row[4]) for row in topology_rows):.0f} ms"
+        )
+    print(format_table(header, rows))
+    print(f"\nin-process / reference: {in_process / reference:.1f}x")
+    print("\n".join(summaries))
+
+
+def measure_service(
+    topology: str, faces: list[Path], ages: list[Path], args: argparse.Namespace
+) -> list[list[str]]:
     with tempfile.TemporaryDirectory(prefix="facesearch-bench-") as data_dir:
         model_config = {"intra_op_threads": args.threads}
-        app_args: dict[str, object] = {"topology": args.topology, "model_config": model_config}
-        if args.topology == "split":
+        app_args: dict[str, object] = {"topology": topology, "model_config": model_config}
+        if topology == "split":
             # Three model replicas must fit next to the ingress and worker on a 2-CPU box.
             share = {"ray_actor_options": {"num_cpus": 0.5}}
             models = ("FaceDetectorModel", "FaceEmbedderModel", "AgeModel")
             app_args["deployment_options"] = {name: share for name in models}
         with running_service(Path(data_dir), app_args) as service:
             token = service.token_for(service.new_client("bench"))
-            rows += asyncio.run(service_rows(service.base_url, token, faces, ages, args))
-    print(format_table(header, rows))
-    best_service = max(float(row[2]) for row in rows[2:] if row[2] != "nan")
-    print(
-        f"\nbest service throughput / in-process: {best_service / in_process:.0%};  "
-        f"service / dlib-bin reference: {best_service / reference:.1f}x;  "
-        f"in-process / reference: {in_process / reference:.1f}x;  median of medians "
-        f"{statistics.median(float(row[3]) for row in rows[2:]):.0f} ms"
-    )
+            return asyncio.run(service_rows(service.base_url, token, faces, ages, args))
 
 
 if __name__ == "__main__":

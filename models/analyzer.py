@@ -57,6 +57,7 @@ class ModelConfig:
     models_dir: Path | None = None  # cache of converted models; None: models.convert.default_models_dir()
     intra_op_threads: int = 1
     inter_op_threads: int = 1
+    allow_spinning: bool = False  # see SessionOptions: off is faster wherever cores are shared
     provider_preference: tuple[str, ...] = DEFAULT_PROVIDER_PREFERENCE
     detector: DetectorOptions = field(default_factory=DetectorOptions)
     minor_policy: MinorPolicy = DEFAULT_MINOR_POLICY
@@ -85,6 +86,7 @@ class ModelConfig:
             intra_op_threads=self.intra_op_threads,
             inter_op_threads=self.inter_op_threads,
             provider_preference=self.provider_preference,
+            allow_spinning=self.allow_spinning,
         )
 
     # Each loader verifies its weight file by sha256 (WeightFileError names the file and the fix).

@@ -45,7 +45,7 @@ def load_serve_config(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return args, dict(document.get("http_options") or {})
 
 
-def start(config: Path, host: str, port: int | None) -> int:
+def start(config: Path, host: str, port: int | None, metrics_port: int) -> int:
     os.environ.update(LOOPBACK_ENV)
     import ray
     from ray import serve
@@ -55,7 +55,11 @@ def start(config: Path, host: str, port: int | None) -> int:
     settings = resolve_backends(Settings.from_env())
     args, http_options = load_serve_config(config)
     ray.init(
-        _node_ip_address="127.0.0.1", include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True
+        _node_ip_address="127.0.0.1",
+        _metrics_export_port=metrics_port,
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+        log_to_driver=True,
     )
     serve.start(http_options={"host": host, "port": port or int(http_options.get("port", 8000))})
     serve.run(build_app(args, settings=settings), name="facesearch", route_prefix="/")
@@ -117,6 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     start_parser.add_argument("--config", type=Path, default=Path("config/serve.yaml"))
     start_parser.add_argument("--host", default="127.0.0.1")
     start_parser.add_argument("--port", type=int, default=None)
+    start_parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=8080,
+        help="Ray's Prometheus endpoint on 127.0.0.1 (custom facesearch metrics included)",
+    )
     clients_parser = commands.add_parser("clients", help="manage API clients")
     clients_parser.add_argument("action", choices=("create", "list", "revoke"))
     clients_parser.add_argument("value", nargs="?", help="name (create) or client id (revoke)")
@@ -124,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if options.command == "start":
-        return start(options.config, options.host, options.port)
+        return start(options.config, options.host, options.port, options.metrics_port)
     from serve_app.graph import resolve_backends
 
     settings = resolve_backends(Settings.from_env())

@@ -44,6 +44,8 @@ class RunningService:
     settings: Settings
     embedded: EmbeddedServices
     data_dir: Path
+    # Ray's Prometheus endpoint for this node (custom metrics included), on 127.0.0.1.
+    metrics_url: str
 
     def http(self, timeout: float = 30.0) -> httpx.Client:
         return httpx.Client(base_url=self.base_url, timeout=timeout)
@@ -100,8 +102,10 @@ def running_service(
             Settings.from_env(), redis_url=embedded.redis_url, milvus_uri=embedded.milvus_uri
         )
         port = free_port()
+        metrics_port = free_port()
         ray.init(
             _node_ip_address="127.0.0.1",
+            _metrics_export_port=metrics_port,
             include_dashboard=False,
             num_cpus=2,
             log_to_driver=False,
@@ -111,7 +115,13 @@ def running_service(
         base_url = f"http://127.0.0.1:{port}"
         _deploy(build_app(args or {}, settings=settings), start_timeout_s)
         _wait_ready(base_url, start_timeout_s)
-        yield RunningService(base_url=base_url, settings=settings, embedded=embedded, data_dir=data_dir)
+        yield RunningService(
+            base_url=base_url,
+            settings=settings,
+            embedded=embedded,
+            data_dir=data_dir,
+            metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
+        )
     finally:
         with contextlib.suppress(Exception):
             serve.shutdown()

@@ -7,11 +7,12 @@ and AgeModel as separate deployments with fractional GPUs so each scales on its 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from ray import serve
@@ -22,6 +23,22 @@ from serve_app.deployments.batching import BatchConfig
 from serve_app.deployments.metrics import ModelMetrics
 
 logger = logging.getLogger(__name__)
+_Result = TypeVar("_Result")
+
+
+class InferenceLane:
+    """Runs a replica's blocking inference in a worker thread, one call at a time.
+
+    Off the event loop, the replica keeps receiving requests while a batch computes, so the next batch is
+    assembled in the meantime instead of after it (ONNX Runtime releases the GIL while it runs).
+    One at a time, because health checks share the models with the batches."""
+
+    def __init__(self) -> None:
+        self._lock = asyncio.Lock()
+
+    async def run(self, function: Callable[..., _Result], *args: Any) -> _Result:
+        async with self._lock:
+            return await asyncio.to_thread(function, *args)
 
 
 @dataclass(frozen=True)
@@ -70,6 +87,7 @@ class FaceAnalysisModel:
 
     def __init__(self, model_config: dict[str, Any] | None = None) -> None:
         self._analyzer: FaceAnalyzer = load_face_analyzer(ModelConfig.from_dict(model_config or {}))
+        self._lane = InferenceLane()
         self._metrics = ModelMetrics("analysis")
         _apply_batch_config(BatchConfig(), self.analyze_batch)
 
@@ -85,8 +103,9 @@ class FaceAnalysisModel:
         embed = any(request.embed for request in requests)
         estimate_age = any(request.estimate_age for request in requests)
         # One detector run over all images, one descriptor run and one age run over all their faces.
-        per_image = self._analyzer.analyze(
-            [request.image for request in requests], embed=embed, estimate_age=estimate_age
+        images = [request.image for request in requests]
+        per_image = await self._lane.run(
+            lambda: self._analyzer.analyze(images, embed=embed, estimate_age=estimate_age)
         )
         faces = sum(len(found) for found in per_image)
         self._metrics.observe_batch(len(requests), faces, time.perf_counter() - started)
@@ -95,8 +114,8 @@ class FaceAnalysisModel:
             for found, request in zip(per_image, requests, strict=True)
         ]
 
-    def check_health(self) -> None:
-        self._analyzer.check()
+    async def check_health(self) -> None:
+        await self._lane.run(self._analyzer.check)
 
 
 @serve.deployment(max_ongoing_requests=64, health_check_period_s=10, ray_actor_options={"num_cpus": 1})
@@ -106,6 +125,7 @@ class FaceDetectorModel:
     def __init__(self, model_config: dict[str, Any] | None = None) -> None:
         config = ModelConfig.from_dict(model_config or {})
         self._detector = config.load_detector()
+        self._lane = InferenceLane()
         self._metrics = ModelMetrics("detector")
         _apply_batch_config(BatchConfig(), self.detect)
 
@@ -115,7 +135,7 @@ class FaceDetectorModel:
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005)
     async def detect(self, letterboxed: list[Any]) -> list[list[DetectedFace]]:
         started = time.perf_counter()
-        found = self._detector.detect_prepared(letterboxed)
+        found = await self._lane.run(self._detector.detect_prepared, letterboxed)
         self._metrics.observe_batch(len(letterboxed), sum(map(len, found)), time.perf_counter() - started)
         return found
 
@@ -127,6 +147,7 @@ class FaceEmbedderModel:
     def __init__(self, model_config: dict[str, Any] | None = None) -> None:
         config = ModelConfig.from_dict(model_config or {})
         self._embedder = config.load_embedder()
+        self._lane = InferenceLane()
         self._batch = BatchConfig()
         self._metrics = ModelMetrics("embedder")
         _apply_batch_config(self._batch, self.embed)
@@ -138,7 +159,7 @@ class FaceEmbedderModel:
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005)
     async def embed(self, chip_sets: list[np.ndarray]) -> list[np.ndarray]:
         started = time.perf_counter()
-        rows = _in_runs(chip_sets, self._batch.max_faces_per_run, self._embedder.embed)
+        rows = await self._lane.run(_in_runs, chip_sets, self._batch.max_faces_per_run, self._embedder.embed)
         self._metrics.observe_batch(len(chip_sets), sum(map(len, chip_sets)), time.perf_counter() - started)
         return [np.asarray(part, dtype=np.float32).reshape(-1, 128) for part in rows]
 
@@ -150,6 +171,7 @@ class AgeModel:
     def __init__(self, model_config: dict[str, Any] | None = None) -> None:
         config = ModelConfig.from_dict(model_config or {})
         self._estimator = config.load_age_estimator()
+        self._lane = InferenceLane()
         self._batch = BatchConfig()
         self._metrics = ModelMetrics("age")
         _apply_batch_config(self._batch, self.estimate)
@@ -161,6 +183,8 @@ class AgeModel:
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005)
     async def estimate(self, chip_sets: list[np.ndarray]) -> list[list[Any]]:
         started = time.perf_counter()
-        results = _in_runs(chip_sets, self._batch.max_faces_per_run, self._estimator.estimate)
+        results = await self._lane.run(
+            _in_runs, chip_sets, self._batch.max_faces_per_run, self._estimator.estimate
+        )
         self._metrics.observe_batch(len(chip_sets), sum(map(len, chip_sets)), time.perf_counter() - started)
         return results

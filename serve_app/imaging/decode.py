@@ -46,12 +46,36 @@ def sniff_format(data: bytes) -> ImageFormat:
     )
 
 
+def validate_image(data: bytes, max_pixels: int) -> ImageFormat:
+    """Check an upload the way decode_image would (type, pixel limit, a complete and decodable file) at a
+    fraction of the cost: JPEGs are decoded at 1/8 scale, which still reads every byte of the file, and no
+    colour conversion or EXIF rotation is done. For the API, which must refuse a bad file but never looks at
+    its pixels."""
+    image_format = sniff_format(data)
+    _open_and_load(data, max_pixels, draft_scale=8)
+    return image_format
+
+
 def decode_image(data: bytes, max_pixels: int, max_side: int | None = None) -> DecodedImage:
     """Decode fully (a truncated file fails here, not later in a worker) and return RGB pixels.
 
     max_side, when given, downscales the result so its longest side is at most that many pixels.
     """
     image_format = sniff_format(data)
+    image = _open_and_load(data, max_pixels, draft_max_side=max_side)
+    image = ImageOps.exif_transpose(image) or image
+    rgb = _to_rgb(image)
+    if max_side is not None and max(rgb.size) > max_side:
+        rgb.thumbnail((max_side, max_side), Image.Resampling.BILINEAR)
+    return DecodedImage(pixels=np.asarray(rgb, dtype=np.uint8), format=image_format)
+
+
+def _open_and_load(
+    data: bytes, max_pixels: int, *, draft_scale: int = 1, draft_max_side: int | None = None
+) -> Image.Image:
+    """Open, enforce the limits and decode. A JPEG is decoded at a reduced DCT scale (a no-op for PNG):
+    1/draft_scale, or the smallest scale that keeps the longest side at least draft_max_side; decoding a 12 MP
+    photo at half scale costs about a quarter of the full decode."""
     try:
         with warnings.catch_warnings():
             # Pillow warns, then errors, on decompression bombs; we enforce our own limit below instead.
@@ -66,6 +90,11 @@ def decode_image(data: bytes, max_pixels: int, max_side: int | None = None) -> D
             # Pillow calls a JPEG with an MPF segment (many phone cameras) "MPO"; frame 0 is the photo.
             if image.format not in ("JPEG", "MPO", "PNG"):
                 raise UnsupportedMedia("The file is not a JPEG or PNG image.", {"file": "unsupported format"})
+            if draft_max_side is not None and max(width, height) > draft_max_side:
+                draft_scale = max(width, height) // draft_max_side
+            if draft_scale > 1:
+                # Pillow picks the largest of 1/2, 1/4, 1/8 that keeps the image at least this size.
+                image.draft(None, (max(1, width // draft_scale), max(1, height // draft_scale)))
             image.load()
     except (PayloadTooLarge, UnsupportedMedia):
         raise
@@ -79,11 +108,7 @@ def decode_image(data: bytes, max_pixels: int, max_side: int | None = None) -> D
             "The image could not be decoded (corrupt or truncated file).",
             {"file": "corrupt or truncated image"},
         ) from error
-    image = ImageOps.exif_transpose(image) or image
-    rgb = _to_rgb(image)
-    if max_side is not None and max(rgb.size) > max_side:
-        rgb.thumbnail((max_side, max_side), Image.Resampling.BILINEAR)
-    return DecodedImage(pixels=np.asarray(rgb, dtype=np.uint8), format=image_format)
+    return image
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:

@@ -7,7 +7,7 @@ import time
 
 from serve_app.domain.errors import ValidationFailed
 from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState, new_reference_id
-from serve_app.imaging.decode import decode_image
+from serve_app.imaging.decode import validate_image
 from serve_app.pipelines.commands import AgeEstimationCommand, FaceSearchCommand
 from serve_app.stores.interfaces import BlobStore, TransactionStore
 
@@ -47,8 +47,8 @@ class TransactionService:
         allow_override: bool = False,
         client_reference: str | None = None,
     ) -> Transaction:
-        # Decode now so a corrupt upload is refused with a 4xx instead of failing later in a worker.
-        decoded = await asyncio.to_thread(decode_image, image, self._max_image_pixels)
+        # Check it now so a corrupt upload is refused with a 4xx instead of failing later in a worker.
+        image_format = await asyncio.to_thread(validate_image, image, self._max_image_pixels)
         now = time.time()
         reference_id = new_reference_id()
         tx = Transaction(
@@ -64,7 +64,7 @@ class TransactionService:
             client_reference=client_reference,
         )
         # The image is written before the transaction exists, so a queued transaction always has its image.
-        await self._blobs.put(tx.image_key, image, decoded.format.content_type)
+        await self._blobs.put(tx.image_key, image, image_format.content_type)
         await self._transactions.create_and_enqueue(tx)
         return tx
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import base64
 import io
+import time
 
 import httpx
 import pytest
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.faces_dev import FacesDev
 from tests.integration.api_client import (
@@ -271,3 +273,57 @@ def test_openapi_documents_the_interface(http: httpx.Client) -> None:
         assert path in schema["paths"]
     face_search = schema["paths"]["/face-search"]["post"]
     assert set(face_search["requestBody"]["content"]) == {"application/json", "multipart/form-data"}
+
+
+FACESEARCH_METRICS = {
+    "ray_facesearch_batch_requests",
+    "ray_facesearch_batch_faces",
+    "ray_facesearch_stage_seconds",
+    "ray_facesearch_queue_depth",
+    "ray_facesearch_worker_in_flight",
+    "ray_facesearch_transactions",
+    "ray_facesearch_transaction_seconds",
+}
+
+
+def scrape(metrics_url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Every sample on Ray's Prometheus endpoint, keyed by name and labels (Ray's own labels dropped)."""
+    own_labels = {"stage", "state", "le"}
+    samples: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
+    for family in text_string_to_metric_families(httpx.get(metrics_url, timeout=10).text):
+        for sample in family.samples:
+            labels = frozenset((key, value) for key, value in sample.labels.items() if key in own_labels)
+            key = (sample.name, labels)
+            samples[key] = samples.get(key, 0.0) + sample.value
+    return samples
+
+
+def test_custom_metrics_reach_prometheus_endpoint(
+    service: RunningService, http: httpx.Client, token: str, faces_dev: FacesDev
+) -> None:
+    photo = faces_dev.of_kind("identity")[0].path
+    assert age_estimation(http, token, photo, wait_for_result="1").status_code == 200
+    analysis = frozenset({("stage", "analysis")})
+    completed = frozenset({("state", "completed")})
+    # Ray's metrics agent exports every few seconds; the worker reports queue state every 5 s.
+    deadline = time.monotonic() + 90
+    while True:
+        samples = scrape(service.metrics_url)
+        names = {
+            name.removesuffix("_count").removesuffix("_sum").removesuffix("_bucket") for name, _ in samples
+        }
+        reported = (
+            names >= FACESEARCH_METRICS
+            and samples.get(("ray_facesearch_stage_seconds_count", analysis), 0) >= 1
+            # Ray exports histogram sums from bucket midpoints: check the bucket the one face fell in.
+            and samples.get(("ray_facesearch_batch_faces_bucket", analysis | {("le", "1.0")}), 0) >= 1
+            and samples.get(("ray_facesearch_transactions", completed), 0) >= 1
+            and samples.get(("ray_facesearch_transaction_seconds_count", frozenset()), 0) >= 1
+        )
+        if reported:
+            break
+        assert time.monotonic() < deadline, (
+            f"missing: {sorted(FACESEARCH_METRICS - names)}; "
+            f"reported: {sorted((k, v) for k, v in samples.items() if 'facesearch' in k[0])}"
+        )
+        time.sleep(2)

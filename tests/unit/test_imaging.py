@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from serve_app.domain.errors import PayloadTooLarge, UnsupportedMedia, ValidationFailed
-from serve_app.imaging.decode import DecodedImage, ImageFormat, decode_image, sniff_format
+from serve_app.imaging.decode import DecodedImage, ImageFormat, decode_image, sniff_format, validate_image
 from tests.unit.fakes import image_bytes, uniform_png
 
 LIMIT = 40_000_000
@@ -271,3 +271,85 @@ def _tall_png_header_only(width: int, height: int) -> bytes:
     crc = zlib.crc32(bytes(ihdr[12:29])) & 0xFFFFFFFF
     ihdr[29:33] = crc.to_bytes(4, "big")
     return bytes(ihdr) + full[header_end:]
+
+
+# --------------------------------------------------------------------------- validate_image (the API's check)
+
+
+def _noise(size: tuple[int, int], mode: str = "RGB") -> Image.Image:
+    channels = {"RGB": 3, "L": 1, "CMYK": 4}[mode]
+    shape = (size[1], size[0], channels) if channels > 1 else (size[1], size[0])
+    return Image.fromarray(np.random.default_rng(7).integers(0, 256, shape, dtype=np.uint8), mode=mode)
+
+
+def _rotated_jpeg() -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buffer = io.BytesIO()
+    _noise((64, 32)).save(buffer, "JPEG", exif=exif)
+    return buffer.getvalue()
+
+
+def _progressive_jpeg() -> bytes:
+    buffer = io.BytesIO()
+    _noise((300, 200)).save(buffer, "JPEG", progressive=True, quality=90)
+    return buffer.getvalue()
+
+
+_VALIDATION_CORPUS: dict[str, bytes] = {
+    "jpeg 1x1": image_bytes(_noise((1, 1)), "JPEG"),
+    "jpeg 7x5": image_bytes(_noise((7, 5)), "JPEG"),
+    "jpeg 640x480": image_bytes(_noise((640, 480)), "JPEG"),
+    "jpeg grayscale": image_bytes(_noise((120, 90), "L"), "JPEG"),
+    "jpeg cmyk": image_bytes(_noise((120, 90), "CMYK"), "JPEG"),
+    "jpeg progressive": _progressive_jpeg(),
+    "jpeg exif-rotated": _rotated_jpeg(),
+    "png rgb": image_bytes(_noise((80, 60)), "PNG"),
+    "png 16-bit": image_bytes(Image.fromarray(np.full((4, 4), 40000, dtype=np.uint16)), "PNG"),
+    "png magic, gif body": b"\x89PNG\r\n\x1a\n" + image_bytes(Image.new("P", (4, 4)), "GIF"),
+    "jpeg magic, zeros": b"\xff\xd8\xff" + b"\x00" * 64,
+    "gif": image_bytes(Image.new("P", (4, 4)), "GIF"),
+}
+for _name, _data in list(_VALIDATION_CORPUS.items()):
+    if _name.startswith(("jpeg ", "png ")):
+        for _share in (0.3, 0.6, 0.9, 0.98):
+            _VALIDATION_CORPUS[f"{_name} cut at {_share:.0%}"] = _data[: int(len(_data) * _share)]
+
+
+def _outcome(check: object, data: bytes, max_pixels: int) -> str:
+    try:
+        check(data, max_pixels)  # type: ignore[operator]
+    except (ValidationFailed, UnsupportedMedia, PayloadTooLarge) as error:
+        return type(error).__name__
+    return "accepted"
+
+
+@pytest.mark.parametrize("name", sorted(_VALIDATION_CORPUS))
+def test_validation_agrees_with_a_full_decode(name: str) -> None:
+    """The API checks uploads with the cheap validate_image and the worker decodes them fully: a file one
+    accepts and the other refuses would be a 202 that can only end as a failed transaction."""
+    data = _VALIDATION_CORPUS[name]
+    assert _outcome(validate_image, data, LIMIT) == _outcome(decode_image, data, LIMIT)
+
+
+def test_validation_refuses_truncated_jpegs_and_oversized_images() -> None:
+    data = _VALIDATION_CORPUS["jpeg 640x480"]
+    assert validate_image(data, LIMIT) == ImageFormat("jpeg", "image/jpeg")
+    with pytest.raises(ValidationFailed):
+        validate_image(data[: len(data) // 2], LIMIT)
+    with pytest.raises(PayloadTooLarge):
+        validate_image(data, 640 * 480 - 1)
+
+
+def test_a_large_jpeg_is_decoded_at_reduced_scale_to_the_same_picture() -> None:
+    """decode_image with max_side lets the JPEG decoder skip detail the downscale would drop anyway; the
+    result must be the size the plain downscale gives and look the same."""
+    y, x = np.mgrid[0:3000, 0:4000]
+    smooth = np.stack([(x // 16) % 256, (y // 12) % 256, ((x + y) // 20) % 256], axis=-1).astype(np.uint8)
+    data = image_bytes(Image.fromarray(smooth), "JPEG")
+    reduced = decode_image(data, LIMIT, max_side=1920).pixels
+    full = Image.open(io.BytesIO(data)).convert("RGB")
+    full.thumbnail((1920, 1920), Image.Resampling.BILINEAR)
+    expected = np.asarray(full)
+    assert reduced.shape == expected.shape == (1440, 1920, 3)
+    assert float(np.mean(np.abs(reduced.astype(int) - expected.astype(int)))) < 3.0
