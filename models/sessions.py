@@ -21,8 +21,8 @@ class SessionOptions:
 
     allow_spinning: ONNX Runtime's intra-op threads busy-wait for the next operator by default. Between runs
     our pipelines do CPU work of their own (decoding, dlib alignment, chips), and on a small CPU box the
-    spinning threads take the cores that work needs: measured on 2 cores, turning it off raised the whole
-    pipeline from 55 to 70 images/s and cut CPU per image by a third (bench/speed.py prints both).
+    spinning threads take the cores that work needs: measured on 2 cores in one bench/speed.py run (it prints
+    both), turning it off raised the whole pipeline from 46 to 77 images/s and halved CPU per image.
     """
 
     intra_op_threads: int = 1

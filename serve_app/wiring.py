@@ -115,5 +115,5 @@ def build_worker(
     stores = redis_stores(settings)
     processor = build_processor(settings, analysis)
     policy = worker_policy(settings, {})
-    worker = QueueWorker(consumer, stores.transactions, stores.transactions, processor, policy, on_processed)
+    worker = QueueWorker(consumer, stores.transactions, processor, policy, on_processed)
     return worker, stores

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from serve_app.domain.errors import BackendUnavailable
 from serve_app.pipelines.processing import TransactionProcessor
-from serve_app.stores.interfaces import QueueEntry, TransactionStore, WorkQueue
+from serve_app.stores.interfaces import QueueEntry, WorkQueue
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,6 @@ class QueueWorker:
         self,
         consumer: str,
         queue: WorkQueue,
-        transactions: TransactionStore,
         processor: TransactionProcessor,
         policy: WorkerPolicy,
         on_processed: Callable[[float], None] | None = None,
@@ -46,7 +45,6 @@ class QueueWorker:
         self.consumer = consumer
         self._on_processed = on_processed
         self._queue = queue
-        self._transactions = transactions
         self._processor = processor
         self._policy = policy
         self._in_flight: set[asyncio.Task[None]] = set()

@@ -287,7 +287,7 @@ def test_wait_for_result_returns_the_age_result_when_it_is_ready_in_time() -> No
         world.analysis.faces_by_color[GREEN] = [face(embedding(2), age=34)]
         api = await build_api(world, wait_for_result_timeout_s=5.0)
         policy = WorkerPolicy(concurrency=2, claim_block_ms=5, reclaim_every_s=0.05, backoff_s=0.01)
-        worker = QueueWorker("worker-1", world.queue, world.transactions, world.processor(), policy)
+        worker = QueueWorker("worker-1", world.queue, world.processor(), policy)
         stop = asyncio.Event()
         task = asyncio.create_task(worker.run(stop))
         try:

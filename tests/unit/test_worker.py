@@ -35,7 +35,7 @@ def new_world() -> World:
 
 
 def make_worker(world: World, policy: WorkerPolicy = FAST, consumer: str = "worker-1") -> QueueWorker:
-    return QueueWorker(consumer, world.queue, world.transactions, world.processor(), policy)
+    return QueueWorker(consumer, world.queue, world.processor(), policy)
 
 
 async def submit(world: World, color: Color = RED) -> Transaction:
