@@ -256,7 +256,9 @@ def test_a_processing_error_is_logged_and_the_worker_keeps_going(caplog: pytest.
         world.faults.arm("gallery.search", error=RuntimeError("a bug"))  # not an outage: stays pending
         bad = await submit(world)
         good = await submit(world)
-        worker = make_worker(world)
+        # One at a time, so the armed fault hits `bad` (claimed first) whatever the scheduling order;
+        # with both in flight either could reach the gallery first.
+        worker = make_worker(world, dataclasses.replace(FAST, concurrency=1))
         async with running(worker):
             await wait_until(lambda: state(world, good) is TransactionState.COMPLETED, what="second done")
         assert state(world, bad) is TransactionState.PROCESSING
