@@ -1,9 +1,11 @@
 """Service benchmark: one run on the dev photos, printing one table.
 
-Rows: the in-process pipeline (models/analyzer.py, no Ray) in images/s; the running service's face search
-(create + poll /result) and age estimation (create + poll, and wait_for_result=1) at 1, 8 and 32 concurrent
-clients with throughput and p50/p95/p99 latency; and the dlib-bin reference pipeline (HOG + 5-point
-landmarks + dlib descriptor, the way the face_recognition library does it).
+Rows: the in-process pipeline (models/analyzer.py, no Ray) and the dlib-bin reference pipeline (HOG +
+5-point landmarks + dlib descriptor, the way the face_recognition library does it) in images/s, each on the
+identity photos ("faces") and on the age crops ("ages"); then the running service's face search (create +
+polite polling of /result, and create + long poll with `Prefer: wait=10`) on the identity photos and age
+estimation (create + poll, and wait_for_result=1) on the age crops, at 1, 8 and 32 concurrent clients, with
+throughput, its share of the in-process rate on the same photos, and p50/p95/p99 latency.
 
     python -m bench.service [--requests 64] [--topology fused split] [--concurrency 1 8 32]
 
@@ -22,7 +24,6 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # read by ray a
 import argparse
 import asyncio
 import base64
-import statistics
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -81,6 +82,8 @@ async def _poll(
 ) -> None:
     deadline = time.monotonic() + timeout_s
     interval = 0.05  # back off like a polite client: 50 ms growing to 400 ms
+    if "Prefer" in headers:
+        interval = 0.0  # a long poll answers when the result is final: ask again at once if it ran out
     while time.monotonic() < deadline:
         response = await http.post("/result", headers=headers, json={"reference_id": reference_id})
         if response.status_code == 200:
@@ -114,60 +117,96 @@ async def run_phase(
     return time.perf_counter() - started, latencies, failures
 
 
-async def service_rows(
-    base_url: str, token: str, faces: list[Path], ages: list[Path], args: argparse.Namespace
-) -> list[list[str]]:
-    headers = {"Authorization": f"Bearer {token}"}
-    uris = [f"data:image/jpeg;base64,{base64.b64encode(path.read_bytes()).decode()}" for path in faces]
-    age_bytes = [(path.name, path.read_bytes()) for path in ages]
-    rows: list[list[str]] = []
+class ServiceCalls:
+    """One client transaction per call, as the benchmark's clients make them; `index` picks the photo."""
+
+    def __init__(
+        self, http: httpx.AsyncClient, token: str, faces: list[Path], ages: list[Path], timeout_s: float
+    ) -> None:
+        self._http = http
+        self._headers = {"Authorization": f"Bearer {token}"}
+        self._uris = [
+            f"data:image/jpeg;base64,{base64.b64encode(path.read_bytes()).decode()}" for path in faces
+        ]
+        self._ages = [(path.name, path.read_bytes()) for path in ages]
+        self._timeout_s = timeout_s
+
+    def by_name(self) -> dict[str, tuple[Callable[[int], Awaitable[None]], str]]:
+        """Each kind of call with the workload ("faces" or "ages") its photos come from."""
+        return {
+            "face-search (create+poll)": (self.search, "faces"),
+            "face-search (create+long poll)": (self.search_long_poll, "faces"),
+            "age (create+poll)": (self.age_poll, "ages"),
+            "age (wait_for_result=1)": (self.age_wait, "ages"),
+        }
+
+    async def search(self, index: int) -> None:
+        await _poll(self._http, self._headers, await self._create_search(index), self._timeout_s)
+
+    async def search_long_poll(self, index: int) -> None:
+        headers = {**self._headers, "Prefer": "wait=10"}
+        await _poll(self._http, headers, await self._create_search(index), self._timeout_s)
+
+    async def age_poll(self, index: int) -> None:
+        response = await self._create_age(index, wait=False)
+        response.raise_for_status()
+        reference_id = response.json()["result"]["data"]["reference_id"]
+        await _poll(self._http, self._headers, reference_id, self._timeout_s)
+
+    async def age_wait(self, index: int) -> None:
+        response = await self._create_age(index, wait=True)
+        if response.status_code != 200:
+            raise RuntimeError(response.text[:200])
+
+    async def _create_search(self, index: int) -> str:
+        body = {
+            "type": "face_search",
+            "file": self._uris[index % len(self._uris)],
+            "enroll_face": index % 4 == 0,
+            "client_reference": f"bench-{index % 50:04d}",
+        }
+        response = await self._http.post("/face-search", headers=self._headers, json=body)
+        response.raise_for_status()
+        return str(response.json()["result"]["data"]["reference_id"])
+
+    async def _create_age(self, index: int, wait: bool) -> httpx.Response:
+        name, data = self._ages[index % len(self._ages)]
+        form = {"type": "age_estimation", "enroll_face": "0", "wait_for_result": "1" if wait else "0"}
+        return await self._http.post(
+            "/age-estimation", headers=self._headers, data=form, files={"file": (name, data)}
+        )
+
+
+def client_pool(base_url: str) -> httpx.AsyncClient:
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-    async with httpx.AsyncClient(base_url=base_url, timeout=60, limits=limits) as http:
+    return httpx.AsyncClient(base_url=base_url, timeout=60, limits=limits)
 
-        async def search(index: int) -> None:
-            body = {
-                "type": "face_search",
-                "file": uris[index % len(uris)],
-                "enroll_face": index % 4 == 0,
-                "client_reference": f"bench-{index % 50:04d}",
-            }
-            response = await http.post("/face-search", headers=headers, json=body)
-            response.raise_for_status()
-            await _poll(http, headers, response.json()["result"]["data"]["reference_id"], args.phase_timeout)
 
-        async def age_poll(index: int) -> None:
-            name, data = age_bytes[index % len(age_bytes)]
-            form = {"type": "age_estimation", "enroll_face": "0"}
-            response = await http.post(
-                "/age-estimation", headers=headers, data=form, files={"file": (name, data)}
-            )
-            response.raise_for_status()
-            await _poll(http, headers, response.json()["result"]["data"]["reference_id"], args.phase_timeout)
-
-        async def age_wait(index: int) -> None:
-            name, data = age_bytes[index % len(age_bytes)]
-            form = {"type": "age_estimation", "enroll_face": "0", "wait_for_result": "1"}
-            response = await http.post(
-                "/age-estimation", headers=headers, data=form, files={"file": (name, data)}
-            )
-            if response.status_code != 200:
-                raise RuntimeError(response.text[:200])
-
-        await run_phase(search, 8, 4, args.phase_timeout)  # warm-up: replicas, connections, Milvus load
-        for name, call in (
-            ("face-search (create+poll)", search),
-            ("age (create+poll)", age_poll),
-            ("age (wait_for_result=1)", age_wait),
-        ):
+async def service_rows(
+    base_url: str,
+    token: str,
+    faces: list[Path],
+    ages: list[Path],
+    in_process: dict[str, float],
+    args: argparse.Namespace,
+) -> list[list[str]]:
+    """in_process: the pipeline's images/s on the same photos ("faces", "ages"), for the ratio column."""
+    rows: list[list[str]] = []
+    async with client_pool(base_url) as http:
+        calls = ServiceCalls(http, token, faces, ages, args.phase_timeout)
+        await run_phase(calls.search, 8, 4, args.phase_timeout)  # warm-up: replicas, connections, Milvus
+        for name, (call, workload) in calls.by_name().items():
             for concurrency in args.concurrency:
                 elapsed, latencies, failures = await run_phase(
                     call, args.requests, concurrency, args.phase_timeout
                 )
+                throughput = len(latencies) / elapsed
                 rows.append(
                     [
                         f"service {name}",
                         str(concurrency),
-                        f"{len(latencies) / elapsed:.1f}",
+                        f"{throughput:.1f}",
+                        f"{throughput / in_process[workload]:.0%}",
                         f"{percentile(latencies, 50) * 1000:.0f}",
                         f"{percentile(latencies, 95) * 1000:.0f}",
                         f"{percentile(latencies, 99) * 1000:.0f}",
@@ -189,45 +228,71 @@ def main() -> None:
     args = parser.parse_args()
 
     dev = load_faces_dev()
-    faces = [image.path for image in dev.of_kind("identity")]
-    ages = [image.path for image in dev.of_kind("age")]
-    pipeline_paths = faces + ages[:30]
-    in_process = in_process_images_per_s(pipeline_paths, args.threads, rounds=2)
-    reference = dlib_reference_images_per_s(pipeline_paths)
-    header = ["path", "topology", "clients", "images/s", "p50 ms", "p95 ms", "p99 ms", "failures"]
-    rows = [
-        ["in-process pipeline (detect+align+embed+age)", "-", "-", f"{in_process:.1f}", "", "", "", ""],
-        ["dlib-bin reference (HOG up1 + 5pt + descriptor)", "-", "-", f"{reference:.1f}", "", "", "", ""],
+    workloads = {
+        "faces": [image.path for image in dev.of_kind("identity")],
+        "ages": [image.path for image in dev.of_kind("age")],
+    }
+    # Each service row is compared with the pipeline on the same photos: the identity photos are large
+    # JPEGs, the age photos small crops, and they cost very different amounts to decode and analyse.
+    in_process = {
+        name: in_process_images_per_s(paths, args.threads, rounds=2) for name, paths in workloads.items()
+    }
+    reference = {name: dlib_reference_images_per_s(paths) for name, paths in workloads.items()}
+    header = [
+        "path",
+        "topology",
+        "clients",
+        "images/s",
+        "vs in-process",
+        "p50 ms",
+        "p95 ms",
+        "p99 ms",
+        "failures",
     ]
+    rows = []
+    for name in workloads:
+        rows.append(
+            [f"in-process pipeline, {name} (detect+align+embed+age)", "-", "-", f"{in_process[name]:.1f}"]
+        )
+        rows.append(
+            [f"dlib-bin reference, {name} (HOG up1 + 5pt + descriptor)", "-", "-", f"{reference[name]:.1f}"]
+        )
     summaries = []
     for topology in args.topology:
-        topology_rows = [[row[0], topology, *row[1:]] for row in measure_service(topology, faces, ages, args)]
-        rows += topology_rows
-        best = max(float(row[3]) for row in topology_rows if row[3] != "nan")
-        summaries.append(
-            f"{topology}: best service throughput / in-process {best / in_process:.0%}, "
-            f"service / dlib-bin reference {best / reference:.1f}x, median of p50s "
-            f"{statistics.median(float(row[4]) for row in topology_rows):.0f} ms"
-        )
-    print(format_table(header, rows))
-    print(f"\nin-process / reference: {in_process / reference:.1f}x")
+        measured = measure_service(topology, workloads["faces"], workloads["ages"], in_process, args)
+        rows += [[row[0], topology, *row[1:]] for row in measured]
+        for name, prefix in (("faces", "service face-search"), ("ages", "service age")):
+            best = max(float(row[2]) for row in measured if row[0].startswith(prefix))
+            summaries.append(
+                f"{topology}, {name}: best service throughput {best:.1f} images/s = "
+                f"{best / in_process[name]:.0%} of in-process, "
+                f"{best / reference[name]:.1f}x the dlib-bin reference"
+            )
+    print(format_table(header, [row + [""] * (len(header) - len(row)) for row in rows]))
+    print()
     print("\n".join(summaries))
 
 
+def app_args_for(topology: str, threads: int) -> dict[str, object]:
+    """build_app arguments of the benchmarked service on this box."""
+    app_args: dict[str, object] = {"topology": topology, "model_config": {"intra_op_threads": threads}}
+    if topology == "split":
+        # Three model replicas must fit next to the ingress and worker on a 2-CPU box.
+        share = {"ray_actor_options": {"num_cpus": 0.5}}
+        models = ("FaceDetectorModel", "FaceEmbedderModel", "AgeModel")
+        app_args["deployment_options"] = {name: share for name in models}
+    return app_args
+
+
 def measure_service(
-    topology: str, faces: list[Path], ages: list[Path], args: argparse.Namespace
+    topology: str, faces: list[Path], ages: list[Path], in_process: dict[str, float], args: argparse.Namespace
 ) -> list[list[str]]:
-    with tempfile.TemporaryDirectory(prefix="facesearch-bench-") as data_dir:
-        model_config = {"intra_op_threads": args.threads}
-        app_args: dict[str, object] = {"topology": topology, "model_config": model_config}
-        if topology == "split":
-            # Three model replicas must fit next to the ingress and worker on a 2-CPU box.
-            share = {"ray_actor_options": {"num_cpus": 0.5}}
-            models = ("FaceDetectorModel", "FaceEmbedderModel", "AgeModel")
-            app_args["deployment_options"] = {name: share for name in models}
-        with running_service(Path(data_dir), app_args) as service:
-            token = service.token_for(service.new_client("bench"))
-            return asyncio.run(service_rows(service.base_url, token, faces, ages, args))
+    with (
+        tempfile.TemporaryDirectory(prefix="facesearch-bench-") as data_dir,
+        running_service(Path(data_dir), app_args_for(topology, args.threads)) as service,
+    ):
+        token = service.token_for(service.new_client("bench"))
+        return asyncio.run(service_rows(service.base_url, token, faces, ages, in_process, args))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import itertools
 import os
 import random
 import time
@@ -35,6 +36,7 @@ from locust.runners import STATE_RUNNING, LocalRunner
 MAX_TASKS_PER_USER = int(os.environ.get("FACESEARCH_LOAD_MAX_TASKS", "500"))
 POLL_TIMEOUT_S = 30.0
 POLL_INTERVAL_S = 0.1
+LONG_POLL_WAIT_S = 5  # users that long-poll send `Prefer: wait=5` instead of sleeping between polls
 TOKEN_REFRESH_MARGIN_S = 60.0
 PROOF_URLS_KEPT = 20
 KEEP_PREFIX = "keep-"
@@ -78,6 +80,9 @@ def _arguments(parser: Any) -> None:
     parser.add_argument("--client-secret", default=os.environ.get("FACESEARCH_CLIENT_SECRET", ""))
 
 
+_USER_NUMBERS = itertools.count()
+
+
 class FaceSearchUser(HttpUser):
     wait_time = between(0.05, 0.3)
 
@@ -86,6 +91,8 @@ class FaceSearchUser(HttpUser):
         self.proof_urls: deque[str] = deque(maxlen=PROOF_URLS_KEPT)
         self.headers: dict[str, str] = {}
         self.token_expires_at = 0.0
+        # Every other user long-polls /result, the rest poll on a timer: both ways real clients use.
+        self.long_poll = next(_USER_NUMBERS) % 2 == 1
         self._login()
 
     def _login(self) -> None:
@@ -113,17 +120,19 @@ class FaceSearchUser(HttpUser):
     def _poll(self, reference_id: str) -> dict[str, Any] | None:
         """The final result body, or None after recording why there is none."""
         deadline = time.monotonic() + POLL_TIMEOUT_S
+        headers = {**self.headers, "Prefer": f"wait={LONG_POLL_WAIT_S}"} if self.long_poll else self.headers
         while time.monotonic() < deadline:
             with self.client.post(
                 "/result",
                 json={"reference_id": reference_id},
-                headers=self.headers,
-                name="/result",
+                headers=headers,
+                name="/result (long poll)" if self.long_poll else "/result",
                 catch_response=True,
             ) as response:
                 if response.status_code == 202:
                     response.success()
-                    gevent.sleep(POLL_INTERVAL_S)
+                    if not self.long_poll:
+                        gevent.sleep(POLL_INTERVAL_S)
                     continue
                 if response.status_code != 200:
                     response.failure(f"result answered {response.status_code}: {response.text[:200]}")

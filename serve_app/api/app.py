@@ -158,7 +158,16 @@ def create_app(services: ApiServices) -> FastAPI:
         if not isinstance(reference_id, str) or not reference_id:
             raise ValidationFailed("reference_id is required.", {"reference_id": "required"})
         tx = await services.transactions.get_for_tenant(tenant_id, reference_id)
-        return result_response(tx, base_url(request), created=False)
+        # Long polling: one held request replaces the several polls a client would otherwise send.
+        wait_s = parsing.preferred_wait_s(
+            request.headers.getlist("prefer"), services.wait_for_result_timeout_s
+        )
+        if wait_s > 0 and not tx.state.is_final:
+            tx = await services.transactions.wait_final(tx, wait_s)
+        response = result_response(tx, base_url(request), created=False)
+        if wait_s > 0:
+            response.headers["Preference-Applied"] = f"wait={wait_s:g}"
+        return response
 
     @app.get("/get-proof/{proof_token}", tags=["proofs"], responses=RESPONSES["proof"])
     async def get_proof(proof_token: str) -> Response:

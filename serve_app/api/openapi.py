@@ -163,13 +163,26 @@ REQUEST_BODIES: dict[str, dict[str, Any]] = {
         }
     },
     "result": {
+        "parameters": [
+            {
+                "name": "Prefer",
+                "in": "header",
+                "required": False,
+                "description": (
+                    "RFC 7240 `wait=<seconds>`: hold the request until the transaction is final or the "
+                    "wait (capped by the server's wait_for_result bound, 10 s by default) runs out, "
+                    "instead of answering 202 at once. Answers carry `Preference-Applied` when honoured."
+                ),
+                "schema": {"type": "string", "pattern": "^wait=[0-9]{1,2}$", "example": "wait=5"},
+            }
+        ],
         "requestBody": {
             "required": True,
             "content": {
                 media: {"schema": _object({"reference_id": _NON_EMPTY}, ["reference_id"])}
                 for media in ("application/json", "application/x-www-form-urlencoded")
             },
-        }
+        },
     },
 }
 
@@ -349,5 +362,6 @@ def describe() -> str:
         "outcome. Authenticate with `Authorization: Bearer <token>` from /request-access-token, or with the "
         "`Client-Secret: <client secret>` header. Every error uses the envelope "
         '{"status": false, "message": ..., "errors": {...}}. A result that is not final yet answers 202 with '
-        "`state` and a Retry-After header. The probe of a transaction is the largest face in the image."
+        "`state` and a Retry-After header; send `Prefer: wait=<seconds>` to /result to have it wait for the "
+        "final state instead (long polling). The probe of a transaction is the largest face in the image."
     )

@@ -16,7 +16,7 @@ from serve_app.api.limits import BodyTooLarge
 from serve_app.domain.errors import PayloadTooLarge, UnsupportedMedia, ValidationFailed
 from serve_app.imaging.decode import ACCEPTED_EXTENSIONS
 
-_DATA_URI = re.compile(r"^data:image/(?P<subtype>[A-Za-z0-9.+-]+);base64,(?P<payload>.*)$", re.DOTALL)
+_DATA_URI = re.compile(r"^data:image/(?P<subtype>[A-Za-z0-9.+-]+);base64,$")
 _ACCEPTED_SUBTYPES = {"jpeg", "jpg", "png", "pjpeg"}
 _TRUE = {"1", "true"}
 _FALSE = {"0", "false"}
@@ -138,7 +138,9 @@ def image_from_data_uri(body: Body) -> bytes:
         raise ValidationFailed("The field 'file' is required.", {"file": "required"})
     if not isinstance(value, str):
         raise ValidationFailed("'file' must be a data URI string.", {"file": "must be a string"})
-    match = _DATA_URI.match(value.strip())
+    # The prefix is matched on the head alone: a regex over a multi-megabyte payload costs the ingress CPU.
+    head, comma, payload = value.strip().partition(",")
+    match = _DATA_URI.match(head + comma) if comma else None
     if match is None:
         raise ValidationFailed(
             "'file' must be a data URI with the prefix data:image/<subtype>;base64, "
@@ -151,7 +153,12 @@ def image_from_data_uri(body: Body) -> bytes:
             {"file": "only image/jpeg and image/png"},
         )
     try:
-        return base64.b64decode(re.sub(r"\s+", "", match["payload"]), validate=True)
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        pass
+    try:
+        # Line-wrapped Base64 (MIME style) is still Base64: drop the whitespace and try once more.
+        return base64.b64decode("".join(payload.split()), validate=True)
     except (binascii.Error, ValueError):
         raise ValidationFailed("'file' is not valid Base64.", {"file": "invalid Base64"}) from None
 
@@ -182,3 +189,20 @@ def _is_utf8(value: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+_PREFER_WAIT = re.compile(r"^\s*wait\s*=\s*\"?(?P<seconds>\d{1,6})\"?\s*$", re.IGNORECASE)
+
+
+def preferred_wait_s(prefer_headers: list[str], cap_s: float) -> float:
+    """Seconds a client asks /result to wait for the final state, from RFC 7240 `Prefer: wait=N`.
+
+    The RFC has servers ignore preferences they do not understand, so a malformed or absent one means no
+    wait rather than a 4xx; the wait is capped by the server's own bound.
+    """
+    for header in prefer_headers:
+        for preference in header.split(","):
+            token = preference.split(";", 1)[0]
+            if match := _PREFER_WAIT.match(token):
+                return min(float(match["seconds"]), cap_s)
+    return 0.0

@@ -41,6 +41,7 @@ REQUIRED_ENDPOINTS = (
     "/request-access-token",
     "/face-search",
     "/result",
+    "/result (long poll)",
     "/age-estimation",
     "/get-proof/[token]",
 )

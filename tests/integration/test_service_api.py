@@ -137,6 +137,20 @@ def test_age_estimation_wait_and_poll(http: httpx.Client, token: str, faces_dev:
     assert set(polled["result"]["data"]) == {"reference_id", "age", "under_18", "under_21"}
 
 
+def test_result_long_poll_answers_once_final(http: httpx.Client, token: str, faces_dev: FacesDev) -> None:
+    photo = faces_dev.of_kind("identity")[0]
+    reference_id = reference_of(face_search_json(http, token, photo.path, enroll_face=False))
+    response = http.post(
+        "/result", headers={**auth(token), "Prefer": "wait=10"}, json={"reference_id": reference_id}
+    )
+    # One request, no 202: the service held it until the transaction was final.
+    assert response.status_code == 200, response.text
+    assert response.headers["Preference-Applied"] == "wait=10"
+    data = response.json()["result"]["data"]
+    assert data["service_reference_id"] == reference_id
+    assert data["face_search_response"]["result"]["is_face_found"] is True
+
+
 def test_age_estimation_without_face_is_null(http: httpx.Client, token: str, faces_dev: FacesDev) -> None:
     negative = faces_dev.of_kind("negative")[1]
     data = age_estimation(http, token, negative.path, wait_for_result=1).json()["result"]["data"]

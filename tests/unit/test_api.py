@@ -341,6 +341,65 @@ def test_without_wait_for_result_the_age_create_call_answers_at_once() -> None:
     asyncio.run(scenario())
 
 
+def test_result_with_prefer_wait_holds_until_the_transaction_is_final() -> None:
+    async def scenario() -> None:
+        world = World()
+        world.analysis.faces_by_color[GREEN] = [face(embedding(2), age=34)]
+        api = await build_api(world, wait_for_result_timeout_s=5.0)
+        policy = WorkerPolicy(concurrency=2, claim_block_ms=5, reclaim_every_s=0.05, backoff_s=0.01)
+        worker = QueueWorker("worker-1", world.queue, world.processor(), policy)
+        async with api.http() as http:
+            reference_id = (await create_age(api, http, GREEN)).json()["result"]["data"]["reference_id"]
+            stop = asyncio.Event()
+
+            async def start_worker_later() -> None:
+                await asyncio.sleep(0.3)  # the long poll is already waiting when the worker starts
+                await worker.run(stop)
+
+            task = asyncio.create_task(start_worker_later())
+            try:
+                started = time.monotonic()
+                response = await http.post(
+                    "/result",
+                    json={"reference_id": reference_id},
+                    headers={**api.headers(), "Prefer": "respond-async, wait=4"},
+                )
+                elapsed = time.monotonic() - started
+            finally:
+                stop.set()
+                await asyncio.wait_for(task, 5)
+        assert response.status_code == 200, response.text
+        assert response.headers["Preference-Applied"] == "wait=4"
+        assert response.json()["result"]["data"]["age"] == 34
+        assert 0.3 <= elapsed < 4.0
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("prefer", "applied"),
+    [("wait=0", None), ("wait=abc", None), ("handling=lenient", None), ("wait=1", "wait=0.3")],
+)
+def test_prefer_wait_is_capped_and_unknown_preferences_are_ignored(prefer: str, applied: str | None) -> None:
+    async def scenario() -> None:
+        api = await build_api(wait_for_result_timeout_s=0.3)  # no worker: the transaction stays queued
+        async with api.http() as http:
+            reference_id = (await create_age(api, http, GREEN)).json()["result"]["data"]["reference_id"]
+            started = time.monotonic()
+            response = await http.post(
+                "/result", json={"reference_id": reference_id}, headers={**api.headers(), "Prefer": prefer}
+            )
+            elapsed = time.monotonic() - started
+        assert response.status_code == 202
+        assert response.json()["result"]["data"]["state"] == "queued"
+        assert response.headers.get("Preference-Applied") == applied
+        assert elapsed < (2.0 if applied is None else 0.3 + 2.0)
+        if applied is not None:
+            assert elapsed >= 0.3
+
+    asyncio.run(scenario())
+
+
 def test_client_secret_header_and_form_bodies_work_on_result() -> None:
     async def scenario() -> None:
         api = await build_api()
