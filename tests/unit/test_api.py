@@ -281,13 +281,18 @@ def test_another_tenants_reference_id_is_422_exactly_like_an_unknown_one() -> No
     asyncio.run(scenario())
 
 
+async def api_with_worker_for_a_34_year_old() -> tuple[World, Api, QueueWorker]:
+    """An API whose GREEN uploads show one face of age 34, and a (not yet running) worker to finalise them."""
+    world = World()
+    world.analysis.faces_by_color[GREEN] = [face(embedding(2), age=34)]
+    api = await build_api(world, wait_for_result_timeout_s=5.0)
+    policy = WorkerPolicy(concurrency=2, claim_block_ms=5, reclaim_every_s=0.05, backoff_s=0.01)
+    return world, api, QueueWorker("worker-1", world.queue, world.processor(), policy)
+
+
 def test_wait_for_result_returns_the_age_result_when_it_is_ready_in_time() -> None:
     async def scenario() -> None:
-        world = World()
-        world.analysis.faces_by_color[GREEN] = [face(embedding(2), age=34)]
-        api = await build_api(world, wait_for_result_timeout_s=5.0)
-        policy = WorkerPolicy(concurrency=2, claim_block_ms=5, reclaim_every_s=0.05, backoff_s=0.01)
-        worker = QueueWorker("worker-1", world.queue, world.processor(), policy)
+        world, api, worker = await api_with_worker_for_a_34_year_old()
         stop = asyncio.Event()
         task = asyncio.create_task(worker.run(stop))
         try:
@@ -343,11 +348,7 @@ def test_without_wait_for_result_the_age_create_call_answers_at_once() -> None:
 
 def test_result_with_prefer_wait_holds_until_the_transaction_is_final() -> None:
     async def scenario() -> None:
-        world = World()
-        world.analysis.faces_by_color[GREEN] = [face(embedding(2), age=34)]
-        api = await build_api(world, wait_for_result_timeout_s=5.0)
-        policy = WorkerPolicy(concurrency=2, claim_block_ms=5, reclaim_every_s=0.05, backoff_s=0.01)
-        worker = QueueWorker("worker-1", world.queue, world.processor(), policy)
+        _world, api, worker = await api_with_worker_for_a_34_year_old()
         async with api.http() as http:
             reference_id = (await create_age(api, http, GREEN)).json()["result"]["data"]["reference_id"]
             stop = asyncio.Event()
