@@ -255,8 +255,14 @@ _FACE_DATA = _object(
     },
     ["service_reference_id", "client_reference", "face_search_response"],
 )
+_RETRY_AFTER = {"description": "Seconds before polling again", "schema": {"type": "integer"}}
+_PREFERENCE_APPLIED = {
+    "description": "`wait=<seconds>` when the request's `Prefer: wait` was honoured (long polling)",
+    "schema": {"type": "string"},
+}
 _PENDING = {
     "description": "Not final yet: poll /result again after Retry-After seconds",
+    "headers": {"Retry-After": _RETRY_AFTER},
     "content": {
         "application/json": {
             "schema": _envelope(
@@ -333,13 +339,17 @@ RESPONSES: dict[str, dict[int | str, dict[str, Any]]] = {
         200: {
             "description": "Final result (face search or age estimation data), or the failed-transaction "
             "envelope (status false, errors.transaction, result.data.state = failed)",
+            "headers": {"Preference-Applied": _PREFERENCE_APPLIED},
             "content": {
                 "application/json": {
                     "schema": {"oneOf": [_envelope({"oneOf": [_FACE_DATA, _AGE_DATA]}), _FAILED_TRANSACTION]}
                 }
             },
         },
-        202: _PENDING,
+        202: {
+            **_PENDING,
+            "headers": {"Retry-After": _RETRY_AFTER, "Preference-Applied": _PREFERENCE_APPLIED},
+        },
         **{code: _ERRORS[code] for code in ("401", "415", "422", "429", "503")},
     },
     "proof": {
