@@ -17,6 +17,7 @@ from serve_app.domain.errors import PayloadTooLarge, UnsupportedMedia, Validatio
 from serve_app.imaging.decode import ACCEPTED_EXTENSIONS
 
 _DATA_URI = re.compile(r"^data:image/(?P<subtype>[A-Za-z0-9.+-]+);base64,$")
+_PREFER_WAIT = re.compile(r"^\s*wait\s*=\s*\"?(?P<seconds>\d{1,6})\"?\s*$", re.IGNORECASE)
 _ACCEPTED_SUBTYPES = {"jpeg", "jpg", "png", "pjpeg"}
 _TRUE = {"1", "true"}
 _FALSE = {"0", "false"}
@@ -189,9 +190,6 @@ def _is_utf8(value: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
-
-
-_PREFER_WAIT = re.compile(r"^\s*wait\s*=\s*\"?(?P<seconds>\d{1,6})\"?\s*$", re.IGNORECASE)
 
 
 def preferred_wait_s(prefer_headers: list[str], cap_s: float) -> float:
