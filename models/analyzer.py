@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 
@@ -58,7 +58,10 @@ class ModelConfig:
     intra_op_threads: int = 1
     inter_op_threads: int = 1
     allow_spinning: bool = False  # see SessionOptions: off is faster wherever cores are shared
-    provider_preference: tuple[str, ...] = DEFAULT_PROVIDER_PREFERENCE
+    # None: CUDA when this machine has it, else CPU. A list that puts an accelerator first is a requirement:
+    # start-up fails without it unless allow_cpu_fallback is true.
+    provider_preference: tuple[str, ...] | None = None
+    allow_cpu_fallback: bool = False
     detector: DetectorOptions = field(default_factory=DetectorOptions)
     minor_policy: MinorPolicy = DEFAULT_MINOR_POLICY
 
@@ -85,9 +88,15 @@ class ModelConfig:
         return SessionOptions(
             intra_op_threads=self.intra_op_threads,
             inter_op_threads=self.inter_op_threads,
-            provider_preference=self.provider_preference,
+            provider_preference=self.provider_preference or DEFAULT_PROVIDER_PREFERENCE,
             allow_spinning=self.allow_spinning,
+            if_preferred_missing=self._if_preferred_missing(),
         )
+
+    def _if_preferred_missing(self) -> Literal["fallback", "warn", "fail"]:
+        if not self.provider_preference or self.provider_preference[0] == "CPUExecutionProvider":
+            return "fallback"
+        return "warn" if self.allow_cpu_fallback else "fail"
 
     # Each loader verifies its weight file by sha256 (WeightFileError names the file and the fix).
     def load_detector(self) -> FaceDetector:

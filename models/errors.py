@@ -11,3 +11,7 @@ class WeightFileError(ModelError):
 
 class ModelFormatError(ModelError):
     """A weight file is readable but its contents are not what the reader expects (corrupt or truncated)."""
+
+
+class ProviderUnavailable(ModelError):
+    """The configuration requires an execution provider (CUDA) that this machine cannot run."""

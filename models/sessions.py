@@ -6,9 +6,12 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import onnxruntime as ort
+
+from models.errors import ProviderUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +32,10 @@ class SessionOptions:
     inter_op_threads: int = 1
     provider_preference: Sequence[str] = field(default=DEFAULT_PROVIDER_PREFERENCE)
     allow_spinning: bool = False
+    # When the session cannot run on the first preferred provider: "fallback" takes the next one quietly
+    # (the default preference is opportunistic), "warn" does so with a warning, "fail" raises
+    # ProviderUnavailable. A config that asks for CUDA uses "fail", so it never runs on CPU unnoticed.
+    if_preferred_missing: Literal["fallback", "warn", "fail"] = "fallback"
 
 
 def choose_providers(preference: Sequence[str]) -> list[str]:
@@ -53,11 +60,31 @@ def create_session(
     session_options.add_session_config_entry("session.intra_op.allow_spinning", spinning)
     session_options.add_session_config_entry("session.inter_op.allow_spinning", spinning)
     providers = choose_providers(options.provider_preference)
+    preferred = options.provider_preference[0] if options.provider_preference else None
+    if options.if_preferred_missing == "fail" and preferred not in providers:
+        raise ProviderUnavailable(_missing_provider(preferred, ort.get_available_providers()))
     source = str(model) if isinstance(model, Path) else model
     session = ort.InferenceSession(source, sess_options=session_options, providers=providers)
+    # onnxruntime-gpu lists CUDA as available even when the CUDA libraries or the GPU are missing, and then
+    # quietly builds a CPU session: what counts is what the session runs on.
+    if preferred is not None and preferred not in session.get_providers():
+        if options.if_preferred_missing == "fail":
+            raise ProviderUnavailable(_missing_provider(preferred, session.get_providers()))
+        if options.if_preferred_missing == "warn":
+            logger.warning(
+                "%s is not available; running on %s (allow_cpu_fallback)", preferred, session.get_providers()
+            )
     logger.info(
         "onnx session %s on %s", model if isinstance(model, Path) else "<bytes>", session.get_providers()
     )
     if warmup_feed is not None:
         session.run(None, warmup_feed)
     return session
+
+
+def _missing_provider(required: str | None, offered: Sequence[str]) -> str:
+    return (
+        f"the model config asks for {required}, but only {list(offered)} can run here (for CUDA: "
+        "onnxruntime-gpu installed, CUDA/cuDNN libraries found, a GPU visible to this process). "
+        "Set model_config.allow_cpu_fallback: true to run on CPU instead."
+    )

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
+import yaml
 from onnx import TensorProto, helper
 
+from models.analyzer import ModelConfig
+from models.errors import ProviderUnavailable
 from models.sessions import SessionOptions, choose_providers, create_session
 
 
@@ -48,3 +56,66 @@ def test_spinning_is_off_by_default_and_results_do_not_depend_on_it() -> None:
         for spin in (False, True)
     ]
     assert np.array_equal(outputs[0], batch * 2) and np.array_equal(outputs[1], batch * 2)
+
+
+# -- a config that asks for CUDA on a machine without it (item 8 of issue 10) ----------------------------
+
+GPU_CONFIG = Path(__file__).resolve().parents[3] / "config" / "serve-gpu.yaml"
+CPU_CONFIG = GPU_CONFIG.with_name("serve.yaml")
+
+
+def model_config_of(path: Path) -> dict[str, Any]:
+    config = yaml.safe_load(path.read_text())
+    return dict(config["applications"][0]["args"].get("model_config") or {})
+
+
+@pytest.fixture
+def cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This machine as ONNX Runtime's CPU build sees it, whatever package is installed."""
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
+
+
+@pytest.mark.usefixtures("cpu_only")
+def test_gpu_config_without_cuda_fails_at_start_with_the_fix_in_the_message() -> None:
+    config = ModelConfig.from_dict(model_config_of(GPU_CONFIG))
+    with pytest.raises(ProviderUnavailable) as raised:
+        create_session(doubling_model(), config.session_options())
+    message = str(raised.value)
+    assert "CUDAExecutionProvider" in message and "allow_cpu_fallback: true" in message
+
+
+def test_cuda_listed_but_session_built_on_cpu_still_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    # onnxruntime-gpu without usable CUDA libraries: CUDA is "available", the session quietly runs on CPU.
+    monkeypatch.setattr(
+        ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    )
+    real_session = ort.InferenceSession
+
+    def cpu_session(source: Any, sess_options: Any = None, providers: Any = None) -> Any:
+        return real_session(source, sess_options=sess_options, providers=["CPUExecutionProvider"])
+
+    monkeypatch.setattr(ort, "InferenceSession", cpu_session)
+    config = ModelConfig.from_dict(model_config_of(GPU_CONFIG))
+    with pytest.raises(ProviderUnavailable, match="allow_cpu_fallback"):
+        create_session(doubling_model(), config.session_options())
+
+
+@pytest.mark.usefixtures("cpu_only")
+def test_gpu_config_with_allow_cpu_fallback_runs_on_cpu_and_warns(caplog: pytest.LogCaptureFixture) -> None:
+    config = ModelConfig.from_dict({**model_config_of(GPU_CONFIG), "allow_cpu_fallback": True})
+    batch = np.ones((2, 3), dtype=np.float32)
+    with caplog.at_level(logging.WARNING, logger="models.sessions"):
+        session = create_session(doubling_model(), config.session_options())
+    assert session.get_providers() == ["CPUExecutionProvider"]
+    assert np.array_equal(session.run(None, {"x": batch})[0], batch * 2)
+    assert any("CUDAExecutionProvider is not available" in record.getMessage() for record in caplog.records)
+
+
+@pytest.mark.usefixtures("cpu_only")
+def test_cpu_config_and_default_preference_are_unaffected(caplog: pytest.LogCaptureFixture) -> None:
+    for model_config in (model_config_of(CPU_CONFIG), {}, {"provider_preference": ["CPUExecutionProvider"]}):
+        config = ModelConfig.from_dict(model_config)
+        with caplog.at_level(logging.WARNING, logger="models.sessions"):
+            session = create_session(doubling_model(), config.session_options())
+        assert session.get_providers() == ["CPUExecutionProvider"]
+    assert not [record for record in caplog.records if record.levelno >= logging.WARNING]
