@@ -14,7 +14,8 @@ from serve_app.api import errors, parsing
 from serve_app.api.limits import BodySizeLimitMiddleware
 from serve_app.api.openapi import REQUEST_BODIES, RESPONSES, describe
 from serve_app.api.tokens import TokenSigner
-from serve_app.domain.errors import AuthenticationFailed, ServiceError, ValidationFailed
+from serve_app.domain.errors import AuthenticationFailed, NotFound, ServiceError, ValidationFailed
+from serve_app.domain.identifiers import is_client_id, is_proof_token, is_reference_id
 from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState
 from serve_app.pipelines.auth import ClientAuthenticator
 from serve_app.pipelines.commands import AgeEstimationCommand, FaceSearchCommand
@@ -93,6 +94,10 @@ def create_app(services: ApiServices) -> FastAPI:
         if problems:
             raise ValidationFailed("client_id and client_secret are required.", problems)
         assert isinstance(client_id, str) and isinstance(client_secret, str)
+        if not is_client_id(client_id):
+            raise ValidationFailed(
+                "client_id is not a valid client id.", {"client_id": "must be cl_ followed by 24 hex digits"}
+            )
         source = request.client.host if request.client else "unknown"
         client = await services.auth.login(client_id, client_secret, source)
         token, expires_in = services.signer.issue_access(client.client_id)
@@ -155,8 +160,15 @@ def create_app(services: ApiServices) -> FastAPI:
         tenant_id = await tenant_of(request)
         body = await parsing.read_body(request, (_JSON, _URLENCODED, _MULTIPART), 4096)
         reference_id = body.fields.get("reference_id")
-        if not isinstance(reference_id, str) or not reference_id:
+        if reference_id is None or reference_id == "":
             raise ValidationFailed("reference_id is required.", {"reference_id": "required"})
+        if not is_reference_id(reference_id):
+            raise ValidationFailed(
+                "reference_id is not a valid reference_id.",
+                {"reference_id": "must be 32 lowercase hex digits"},
+            )
+        assert isinstance(reference_id, str)
+        request.state.reference_id = reference_id  # for the log line of an error answer
         tx = await services.transactions.get_for_tenant(tenant_id, reference_id)
         # Long polling: one held request replaces the several polls a client would otherwise send.
         wait_s = parsing.preferred_wait_s(
@@ -171,6 +183,9 @@ def create_app(services: ApiServices) -> FastAPI:
 
     @app.get("/get-proof/{proof_token}", tags=["proofs"], responses=RESPONSES["proof"])
     async def get_proof(proof_token: str) -> Response:
+        if not is_proof_token(proof_token):
+            # A URL that names no proof: 404 like any tampered token (the README's contract for this path).
+            raise NotFound("No proof image exists for this URL.")
         claims = services.signer.verify_proof(proof_token)
         data, content_type = await services.proofs.load(claims.tenant_id, claims.face_id)
         remaining = max(0, claims.expires_at - int(time.time()))

@@ -1,5 +1,9 @@
 """The one mapping from errors to HTTP responses. Every failure uses the same envelope:
-{"status": false, "message": "...", "errors": {"field": "problem", ...}}; clients never see a traceback."""
+{"status": false, "message": "...", "errors": {"field": "problem", ...}}; clients never see a traceback.
+
+Messages: a 4xx names the rule the request broke, in our own words. A failure behind the service (Redis,
+Milvus, a model, a bug) gets its error class's fixed public_message, and its details (backend replies,
+hosts, exception names) go to the log with the request and reference_id, never into a response."""
 
 from __future__ import annotations
 
@@ -48,8 +52,19 @@ async def service_error_handler(request: Request, exc: Exception) -> JSONRespons
         headers["WWW-Authenticate"] = 'Bearer realm="facesearch"'
     elif isinstance(exc, domain.BackendUnavailable):
         headers["Retry-After"] = "5"
-    if status >= 500:
-        logger.warning("%s %s -> %d: %s", request.method, request.url.path, status, exc.message)
+    public = type(exc).public_message
+    if public is not None or status >= 500:
+        # The backend's own words go to the log only, with what identifies the request.
+        logger.warning(
+            "%s %s -> %d (reference_id %s): %s",
+            request.method,
+            request.url.path,
+            status,
+            getattr(request.state, "reference_id", "-"),
+            exc.message,
+        )
+    if public is not None:
+        return JSONResponse(error_body(public), status_code=status, headers=headers)
     return JSONResponse(error_body(exc.message, exc.details), status_code=status, headers=headers)
 
 

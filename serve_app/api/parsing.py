@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,8 @@ from starlette.requests import Request
 from serve_app.api.limits import BodyTooLarge
 from serve_app.domain.errors import PayloadTooLarge, UnsupportedMedia, ValidationFailed
 from serve_app.imaging.decode import ACCEPTED_EXTENSIONS
+
+logger = logging.getLogger(__name__)
 
 _DATA_URI = re.compile(r"^data:image/(?P<subtype>[A-Za-z0-9.+-]+);base64,$")
 _PREFER_WAIT = re.compile(r"^\s*wait\s*=\s*\"?(?P<seconds>\d{1,6})\"?\s*$", re.IGNORECASE)
@@ -62,7 +65,11 @@ async def read_body(request: Request, accepted: tuple[str, ...], max_part_bytes:
     except BodyTooLarge:
         raise  # the body-size middleware answers 413
     except Exception as error:  # multipart parser errors carry no stable type across versions
-        raise ValidationFailed("The form body could not be parsed.", {"body": str(error)[:200]}) from None
+        # The parser's own text names library internals: it goes to the log, not to the client.
+        logger.info("unparseable form body: %s: %s", type(error).__name__, str(error)[:200])
+        raise ValidationFailed(
+            "The form body could not be parsed.", {"body": "malformed form data"}
+        ) from None
     fields: dict[str, Any] = {}
     files: dict[str, UploadFile] = {}
     for key, value in form.multi_items():

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 
 class ServiceError(Exception):
-    """Base class; `message` is safe to show to clients, `details` lists field-level problems."""
+    """Base class; `message` is safe to show to clients, `details` lists field-level problems.
+
+    A class with a `public_message` is a failure of something behind the service: its `message` carries
+    the backend's own text (hosts, ports, replies) for the log, and clients get `public_message` only.
+    """
+
+    public_message: ClassVar[str | None] = None
 
     def __init__(self, message: str, details: dict[str, str] | None = None) -> None:
         super().__init__(message)
@@ -47,6 +55,10 @@ class ProofExpired(ServiceError):
 class BackendUnavailable(ServiceError):
     """Redis or Milvus cannot be reached (503)."""
 
+    public_message = "The service is temporarily unavailable; retry after the indicated delay."
+
 
 class ModelUnavailable(ServiceError):
     """A model deployment failed to answer (503)."""
+
+    public_message = "Image analysis is temporarily unavailable; retry after the indicated delay."

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
+
+from serve_app.domain.identifiers import new_reference_id as new_reference_id  # re-exported
 
 
 class TransactionKind(StrEnum):
@@ -22,10 +23,6 @@ class TransactionState(StrEnum):
     @property
     def is_final(self) -> bool:
         return self in (TransactionState.COMPLETED, TransactionState.FAILED)
-
-
-def new_reference_id() -> str:
-    return uuid.uuid4().hex
 
 
 @dataclass

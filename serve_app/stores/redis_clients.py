@@ -9,6 +9,9 @@ Keys (prefix default "fs:"):
   {p}client:{client_id}          hash name, created_at, revoked ("0"/"1"), secret_hmac
   {p}client-secret:{secret_hmac} client_id (removed on revoke)
   {p}clients                     sorted set client_id -> created_at
+
+client_id arrives from callers at login: only values of the issued format (cl_ + 24 hex digits) reach a key
+name, anything else is an unknown client. Secrets appear only as their keyed hash.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import time
 
 from redis.asyncio import Redis
 
+from serve_app.domain.identifiers import is_client_id, new_client_id
 from serve_app.stores.interfaces import ClientInfo
 from serve_app.stores.redis_support import redis_errors, text, text_map
 
@@ -52,7 +56,7 @@ class RedisClientStore:
         )
 
     async def create(self, name: str) -> tuple[ClientInfo, str]:
-        client_id = f"cl_{secrets.token_hex(12)}"
+        client_id = new_client_id()
         secret = secrets.token_urlsafe(32)
         secret_hmac = self._hash(secret)
         created_at = time.time()
@@ -72,6 +76,9 @@ class RedisClientStore:
         return ClientInfo(client_id=client_id, name=name, created_at=created_at, revoked=False), secret
 
     async def verify(self, client_id: str, secret: str) -> ClientInfo | None:
+        if not is_client_id(client_id):
+            self._hash(secret)  # the same work as for a well-formed id, so timing tells nothing
+            return None
         async with redis_errors():
             fields = text_map(await self._redis.hgetall(self._client_key(client_id)))
         # The hash is computed even for unknown clients so timing does not tell which ids exist.
@@ -92,6 +99,8 @@ class RedisClientStore:
         return await self.verify(client_id, secret)
 
     async def get(self, client_id: str) -> ClientInfo | None:
+        if not is_client_id(client_id):
+            return None
         async with redis_errors():
             fields = text_map(await self._redis.hgetall(self._client_key(client_id)))
         return self._info(client_id, fields) if fields else None
@@ -111,6 +120,8 @@ class RedisClientStore:
 
     async def revoke(self, client_id: str) -> bool:
         """Marks the client revoked and forgets its secret hash index; False when the client is unknown."""
+        if not is_client_id(client_id):
+            return False
         async with redis_errors():
             stored = await self._redis.hget(self._client_key(client_id), "secret_hmac")
             if stored is None:

@@ -1,5 +1,10 @@
 """Fixed-window rate limiting in Redis: one counter per key that expires when its window ends.
 
+Keys (prefix default "fs:"):
+  {p}rl:{sha256(key)}   the counter of one limiter key
+
+Limiter keys carry caller-supplied parts (client ids, addresses), so they only appear in key names hashed.
+
 INCR and the expiry run in one Lua script, so a client dying between the two can never leave a counter
 without expiry (which would lock the key out for good); the script also returns the time left, so one round
 trip answers both "allowed?" and "retry after how long?".
@@ -7,6 +12,7 @@ trip answers both "allowed?" and "retry after how long?".
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 from redis.asyncio import Redis
@@ -32,7 +38,7 @@ class RedisRateLimiter:
         self._hit = redis.register_script(_HIT)
 
     def _key(self, key: str) -> str:
-        return f"{self._prefix}rl:{key}"
+        return f"{self._prefix}rl:{hashlib.sha256(key.encode()).hexdigest()}"
 
     async def hit(self, key: str, limit: int, window_s: int) -> int:
         """Count one event; 0 when it is within `limit` for the current window, else whole seconds (>= 1)

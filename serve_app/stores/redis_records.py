@@ -7,7 +7,9 @@ Keys (prefix default "fs:"):
   {p}ref:{tenant}:{sha256(client_reference)}   sorted set face_id -> created_at (latest_for_reference)
   {p}lock:ref:{tenant}:{sha256(client_reference)}   the override lock
 
-client_reference is user input of any length and content, so it only appears in key names hashed.
+client_reference is user input of any length and content, so it only appears in key names hashed. tenant
+is an issued client id and face_id one the service derived ("f" + reference_id) or signed into a proof
+token, so neither contains a ":" that could reach into another tenant's keys.
 """
 
 from __future__ import annotations

@@ -1,10 +1,15 @@
 """Transactions and the work queue in Redis.
 
 Keys (prefix default "fs:"):
-  {p}tx:{reference_id}       hash, one field per Transaction attribute (result/extra as JSON)
-  {p}tx:counts               hash state -> number of transactions in that state
-  {p}tx:queue                stream of {"ref": reference_id}; consumer group "workers"
-  {p}tx:done:{reference_id}  short-lived list: the completion signal wait_final blocks on
+  {p}txn:{reference_id}       hash, one field per Transaction attribute (result/extra as JSON)
+  {p}txn-done:{reference_id}  short-lived list: the completion signal wait_final blocks on
+  {p}sys:tx-counts            hash state -> number of transactions in that state
+  {p}sys:tx-queue             stream of {"ref": reference_id}; consumer group "workers"
+
+Each family has a prefix that no other key starts with, so a reference_id can only ever name a key of its
+own family (an earlier layout put the queue at {p}tx:queue, where reference_id "queue" reached it). The API
+also refuses anything that is not an issued reference_id (serve_app/domain/identifiers.py) before it gets
+here, and get() treats such a value as unknown.
 
 Why a hash and not one JSON document: state changes run as Lua scripts that only touch a few scalar
 fields, so the script never has to decode and re-encode JSON (Lua's cjson would round floats and turn {}
@@ -26,6 +31,7 @@ from redis import exceptions as redis_exceptions
 from redis.asyncio import Redis
 from redis.typing import EncodableT, FieldT
 
+from serve_app.domain.identifiers import is_reference_id
 from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState
 from serve_app.stores.interfaces import QueueEntry
 from serve_app.stores.redis_support import redis_errors, socket_timeout_of, text, text_map
@@ -130,8 +136,8 @@ class RedisTransactionStore:
         done_signal_ttl_s: how long a completion signal outlives the completion, for slow waiters."""
         self._redis = redis
         self._prefix = prefix
-        self._stream = f"{prefix}tx:queue"
-        self._counts = f"{prefix}tx:counts"
+        self._stream = f"{prefix}sys:tx-queue"
+        self._counts = f"{prefix}sys:tx-counts"
         self._group = group
         self._finished_ttl_s = finished_ttl_s or 0
         self._done_ttl_s = max(1, done_signal_ttl_s)
@@ -144,10 +150,10 @@ class RedisTransactionStore:
         self._finalize = redis.register_script(_FINALIZE)
 
     def _tx_key(self, reference_id: str) -> str:
-        return f"{self._prefix}tx:{reference_id}"
+        return f"{self._prefix}txn:{reference_id}"
 
     def _done_key(self, reference_id: str) -> str:
-        return f"{self._prefix}tx:done:{reference_id}"
+        return f"{self._prefix}txn-done:{reference_id}"
 
     # -- TransactionStore -------------------------------------------------------------------------------
 
@@ -159,6 +165,8 @@ class RedisTransactionStore:
             await pipe.execute()
 
     async def get(self, reference_id: str) -> Transaction | None:
+        if not is_reference_id(reference_id):
+            return None  # never issued, so never stored
         async with redis_errors():
             fields = await self._redis.hgetall(self._tx_key(reference_id))
         return _decode(text_map(fields)) if fields else None

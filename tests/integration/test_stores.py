@@ -312,9 +312,9 @@ def test_finished_transactions_expire_when_configured(servers: EmbeddedServices)
         try:
             tx = make_tx()
             await store.create_and_enqueue(tx)
-            assert await redis.ttl(f"{p}tx:{tx.reference_id}") == -1
+            assert await redis.ttl(f"{p}txn:{tx.reference_id}") == -1
             await store.complete(tx.reference_id, {})
-            assert 0 < await redis.ttl(f"{p}tx:{tx.reference_id}") <= 60
+            assert 0 < await redis.ttl(f"{p}txn:{tx.reference_id}") <= 60
         finally:
             await redis.aclose()
 

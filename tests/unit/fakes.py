@@ -45,6 +45,7 @@ from serve_app.api.app import ApiServices, create_app
 from serve_app.api.tokens import TokenSigner
 from serve_app.domain.errors import BackendUnavailable
 from serve_app.domain.faces import FaceRecord, GalleryEntry, GalleryMatch
+from serve_app.domain.identifiers import new_client_id
 from serve_app.domain.transactions import Transaction, TransactionState
 from serve_app.pipelines.auth import ClientAuthenticator
 from serve_app.pipelines.processing import ProcessingPolicy, TransactionProcessor
@@ -453,9 +454,7 @@ class FakeClientStore:
 
     async def create(self, name: str) -> tuple[ClientInfo, str]:
         await asyncio.sleep(0)
-        client = ClientInfo(
-            client_id=f"cl_{secrets.token_hex(8)}", name=name, created_at=time.time(), revoked=False
-        )
+        client = ClientInfo(client_id=new_client_id(), name=name, created_at=time.time(), revoked=False)
         secret = secrets.token_urlsafe(32)
         self._clients[client.client_id] = client
         self._hashes[client.client_id] = self._hash(secret)

@@ -16,6 +16,7 @@ import pytest
 from jwt.warnings import InsecureKeyLengthWarning
 
 from serve_app.api.tokens import TokenSigner, _derive_key
+from serve_app.domain.identifiers import new_client_id
 from tests.unit.fakes import (
     SERVICE_SECRET,
     Api,
@@ -242,13 +243,14 @@ def test_failed_logins_are_counted_per_source_address_and_per_client_id() -> Non
         clock = ManualClock(time.time())
         api = await build_api(login_failures_per_window=3, login_window_s=300, limiter_clock=clock)
         async with api.http(client=("10.0.0.1", 1000)) as attacker:
-            for index in range(3):  # a spray over many client ids from one address
-                assert (await login(attacker, f"cl_guess{index}", "guess")).status_code == 401
-            assert (await login(attacker, "cl_guess9", "guess")).status_code == 429
+            guesses = [new_client_id() for _ in range(4)]
+            for guess in guesses[:3]:  # a spray over many client ids from one address
+                assert (await login(attacker, guess, "guess")).status_code == 401
+            assert (await login(attacker, guesses[3], "guess")).status_code == 429
             assert (await login(attacker, api.client_id, api.client_secret)).status_code == 429
         async with api.http(client=("10.0.0.2", 1000)) as bystander:
             assert (await login(bystander, api.client_id, api.client_secret)).status_code == 200
-            assert (await login(bystander, "cl_guess0", "guess")).status_code == 401
+            assert (await login(bystander, guesses[0], "guess")).status_code == 401
 
         other_id, other_secret = await api.new_client("tenant-b")
         for address in ("10.1.0.1", "10.1.0.2", "10.1.0.3"):  # one client id from many addresses

@@ -194,7 +194,7 @@ def pending_entries(service: RunningService) -> dict[str, int]:
     async def read() -> dict[str, int]:
         redis = connect_redis(str(settings.redis_url))
         try:
-            summary = await redis.xpending(f"{settings.key_prefix}tx:queue", "workers")
+            summary = await redis.xpending(f"{settings.key_prefix}sys:tx-queue", "workers")
         finally:
             await redis.aclose()
         return {str(row["name"]): int(row["pending"]) for row in summary.get("consumers") or []}

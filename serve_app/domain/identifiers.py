@@ -1,0 +1,39 @@
+"""The identifiers the service issues, and their formats.
+
+The API refuses any other value with a 422 before it reaches a store, and the stores put into Redis key
+names only values of these formats or hashes, so no request can name an internal key.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import uuid
+
+_REFERENCE_ID = re.compile(r"[0-9a-f]{32}")
+_CLIENT_ID = re.compile(r"cl_[0-9a-f]{24}")
+# A proof token is a compact JWS (three base64url parts); the length bound keeps a hostile URL cheap.
+_PROOF_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,1024}\.[A-Za-z0-9_-]{1,1024}\.[A-Za-z0-9_-]{1,256}")
+
+REFERENCE_ID_PATTERN = f"^{_REFERENCE_ID.pattern}$"
+CLIENT_ID_PATTERN = f"^{_CLIENT_ID.pattern}$"
+
+
+def new_reference_id() -> str:
+    return uuid.uuid4().hex
+
+
+def new_client_id() -> str:
+    return f"cl_{secrets.token_hex(12)}"
+
+
+def is_reference_id(value: object) -> bool:
+    return isinstance(value, str) and _REFERENCE_ID.fullmatch(value) is not None
+
+
+def is_client_id(value: object) -> bool:
+    return isinstance(value, str) and _CLIENT_ID.fullmatch(value) is not None
+
+
+def is_proof_token(value: object) -> bool:
+    return isinstance(value, str) and _PROOF_TOKEN.fullmatch(value) is not None

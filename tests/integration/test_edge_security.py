@@ -1,0 +1,263 @@
+"""The API's edge against a real redis-server (issue 10): identifiers that name internal keys, backend text
+in responses. The ingress app runs in-process over the real Redis stores (no Ray: only the ingress is
+involved), on an embedded redis-server bound to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from serve_app.api.app import create_app
+from serve_app.domain.errors import BackendUnavailable
+from serve_app.embedded import EmbeddedServices
+from serve_app.settings import Settings
+from serve_app.stores.redis_support import connect_redis
+from serve_app.wiring import build_api_services, redis_stores
+from tests.backend_text import assert_no_backend_text
+from tests.unit.fakes import solid_png
+
+# The values of the report, and others that spell internal key names or are merely not of the issued form.
+HOSTILE_REFERENCE_IDS = [
+    "counts",
+    "queue",
+    "done:x",
+    "tx:counts",
+    "sys:tx-queue",
+    "txn-done:0123456789abcdef0123456789abcdef",
+    "../../etc/passwd",
+    "0123456789ABCDEF0123456789ABCDEF",  # upper case: never issued
+    "0123456789abcdef0123456789abcde",  # 31 digits
+    "0123456789abcdef0123456789abcdef0",  # 33 digits
+    "*",
+    "0123456789abcdef0123456789abcde\n",
+]
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServices]:
+    services = EmbeddedServices(tmp_path_factory.mktemp("edge"), milvus=False)
+    services.start()
+    try:
+        yield services
+    finally:
+        services.stop()
+
+
+def settings_for(server: EmbeddedServices, tmp_path: Path, **changes: object) -> Settings:
+    values: dict[str, object] = {
+        "data_dir": tmp_path,
+        "redis_url": server.redis_url,
+        "milvus_uri": None,
+        "milvus_token": "",
+        "secret_key": "edge-test-secret-0123456789abcdefghijklmnopqrstuvwxyz",
+        "production": False,
+        "public_base_url": None,
+        "blob_dir": tmp_path / "blobs",
+        "key_prefix": f"e{tmp_path.name[-6:]}:",
+    }
+    values.update(changes)
+    return Settings(**values)  # type: ignore[arg-type]
+
+
+@dataclass
+class Edge:
+    http: httpx.AsyncClient
+    settings: Settings
+    client_id: str
+    client_secret: str
+    token: str
+
+
+@asynccontextmanager
+async def edge(settings: Settings, peer: str = "127.0.0.1") -> AsyncIterator[Edge]:
+    app = create_app(build_api_services(settings))
+    info, secret = await redis_stores(settings).clients.create("edge-tests")
+    transport = httpx.ASGITransport(app=app, client=(peer, 40000), raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=30) as http:
+        login = await http.post(
+            "/request-access-token", json={"client_id": info.client_id, "client_secret": secret}
+        )
+        assert login.status_code == 200, login.text
+        token = login.json()["result"]["data"]["token"]
+        yield Edge(http, settings, info.client_id, secret, token)
+
+
+async def create_search(e: Edge) -> str:
+    response = await e.http.post(
+        "/face-search",
+        headers={"Authorization": f"Bearer {e.token}"},
+        data={"type": "face_search", "client_reference": "edge-subject"},
+        files={"file": ("a.png", solid_png((10, 200, 30)), "image/png")},
+    )
+    assert response.status_code == 200, response.text
+    return str(response.json()["result"]["data"]["reference_id"])
+
+
+# -- item 1: identifiers are checked against their issued format; key families do not overlap ---------------
+
+
+def test_result_with_internal_key_names_is_422_not_500_or_503(
+    redis_server: EmbeddedServices, tmp_path: Path
+) -> None:
+    async def scenario() -> None:
+        async with edge(settings_for(redis_server, tmp_path)) as e:
+            reference_id = await create_search(e)  # the counts hash and the queue stream exist now
+            headers = {"Authorization": f"Bearer {e.token}"}
+            for value in HOSTILE_REFERENCE_IDS:
+                response = await e.http.post("/result", headers=headers, json={"reference_id": value})
+                assert response.status_code == 422, (value, response.text)
+                body = response.json()
+                assert body["status"] is False and set(body["errors"]) == {"reference_id"}, body
+                assert_no_backend_text(response.text)
+            # The issued form still works.
+            ok = await e.http.post("/result", headers=headers, json={"reference_id": reference_id})
+            assert ok.status_code == 202, ok.text
+
+    asyncio.run(scenario())
+
+
+def test_login_with_a_client_id_not_of_the_issued_form_is_422(
+    redis_server: EmbeddedServices, tmp_path: Path
+) -> None:
+    async def scenario() -> None:
+        async with edge(settings_for(redis_server, tmp_path)) as e:
+            for value in ["counts", "clients", "cl_x", "CL_" + "a" * 24, e.client_id + "0", e.client_id[:-1]]:
+                response = await e.http.post(
+                    "/request-access-token", json={"client_id": value, "client_secret": e.client_secret}
+                )
+                assert response.status_code == 422, (value, response.text)
+                assert set(response.json()["errors"]) == {"client_id"}
+
+    asyncio.run(scenario())
+
+
+def test_every_redis_key_belongs_to_exactly_one_documented_family(
+    redis_server: EmbeddedServices, tmp_path: Path
+) -> None:
+    """The layout in the store docstrings: a user-valued family's prefix is never the start of another key."""
+
+    async def scenario() -> None:
+        settings = settings_for(redis_server, tmp_path)
+        p = re.escape(settings.key_prefix)
+        async with edge(settings) as e:
+            reference_id = await create_search(e)
+            stores = redis_stores(settings)
+            await stores.transactions.complete(reference_id, {"matched_faces": [], "is_face_found": False})
+            families = {
+                "txn": rf"{p}txn:[0-9a-f]{{32}}",
+                "txn-done": rf"{p}txn-done:[0-9a-f]{{32}}",
+                "sys": rf"{p}sys:(tx-queue|tx-counts)",
+                "client": rf"{p}client:cl_[0-9a-f]{{24}}",
+                "client-secret": rf"{p}client-secret:[0-9a-f]{{64}}",
+                "clients": rf"{p}clients",
+                "rl": rf"{p}rl:[0-9a-f]{{64}}",
+            }
+            redis = connect_redis(str(settings.redis_url))
+            try:
+                keys = [key async for key in redis.scan_iter(match=f"{settings.key_prefix}*")]
+            finally:
+                await redis.aclose()
+            assert {f"{settings.key_prefix}sys:tx-queue", f"{settings.key_prefix}sys:tx-counts"} <= set(keys)
+            for key in keys:
+                matching = [name for name, pattern in families.items() if re.fullmatch(pattern, key)]
+                assert len(matching) == 1, (key, matching)
+            # The store treats values that are not issued reference ids as unknown, whatever they spell.
+            for value in HOSTILE_REFERENCE_IDS:
+                assert await stores.transactions.get(value) is None, value
+            assert await stores.transactions.count_by_state() == {
+                "queued": 0,
+                "processing": 0,
+                "completed": 1,
+                "failed": 0,
+            }
+
+    asyncio.run(scenario())
+
+
+# -- item 3: no backend text in any response --------------------------------------------------------------
+
+
+def test_backend_failures_answer_a_fixed_message_and_log_the_details(
+    redis_server: EmbeddedServices, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Real Redis failures: a WRONGTYPE reply (an internal key of the wrong type), then the server down."""
+
+    async def scenario() -> None:
+        settings = settings_for(redis_server, tmp_path)
+        async with edge(settings) as e:
+            headers = {"Authorization": f"Bearer {e.token}"}
+            reference_id = await create_search(e)
+            redis = connect_redis(str(settings.redis_url))
+            try:
+                # A transaction hash that is a string: HGETALL answers WRONGTYPE.
+                await redis.delete(f"{settings.key_prefix}txn:{reference_id}")
+                await redis.set(f"{settings.key_prefix}txn:{reference_id}", "not a hash")
+            finally:
+                await redis.aclose()
+            with caplog.at_level("WARNING"):
+                wrongtype = await e.http.post("/result", headers=headers, json={"reference_id": reference_id})
+            assert wrongtype.status_code == 503, wrongtype.text
+            assert wrongtype.json()["message"] == BackendUnavailable.public_message
+            assert_no_backend_text(wrongtype.text)
+            assert any(
+                "WRONGTYPE" in record.getMessage() and reference_id in record.getMessage()
+                for record in caplog.records
+            ), [record.getMessage() for record in caplog.records]
+
+    asyncio.run(scenario())
+
+
+def test_redis_down_answers_a_fixed_message_without_host_port_or_exception(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = EmbeddedServices(tmp_path / "down", milvus=False)
+    server.start()
+    assert server.redis is not None
+    port = server.redis.port
+
+    async def scenario() -> None:
+        settings = settings_for(server, tmp_path)
+        async with edge(settings) as e:
+            headers = {"Authorization": f"Bearer {e.token}"}
+            reference_id = await create_search(e)
+            await asyncio.to_thread(server.stop)
+            calls = {
+                "result": e.http.post("/result", headers=headers, json={"reference_id": reference_id}),
+                "login": e.http.post(
+                    "/request-access-token", json={"client_id": e.client_id, "client_secret": e.client_secret}
+                ),
+                "face-search": e.http.post(
+                    "/face-search",
+                    headers=headers,
+                    data={"type": "face_search"},
+                    files={"file": ("a.png", solid_png((1, 2, 3)), "image/png")},
+                ),
+                "client-secret": e.http.post(
+                    "/result", headers={"Client-Secret": e.client_secret}, json={"reference_id": reference_id}
+                ),
+            }
+            with caplog.at_level("WARNING"):
+                for name, call in calls.items():
+                    response = await call
+                    assert response.status_code == 503, (name, response.text)
+                    assert response.json() == {
+                        "status": False,
+                        "message": BackendUnavailable.public_message,
+                        "errors": {},
+                    }
+                    assert_no_backend_text(response.text, ports=[port])
+            logged = "\n".join(record.getMessage() for record in caplog.records)
+            assert str(port) in logged  # the operator still learns what failed
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.stop()

@@ -1,0 +1,102 @@
+"""The API edge (issue 10): identifiers checked against their issued form, and failures behind the service
+answered with a fixed message per error class while the details go to the log."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+from pymilvus.exceptions import MilvusException
+from redis import exceptions as redis_exceptions
+
+from serve_app.domain.errors import BackendUnavailable, ModelUnavailable, ServiceError
+from serve_app.stores.milvus_gallery import MilvusGalleryStore
+from serve_app.stores.redis_support import to_backend_unavailable
+from tests.backend_text import assert_no_backend_text
+from tests.unit.fakes import build_api
+
+
+def test_result_refuses_values_that_are_not_issued_reference_ids_before_the_store() -> None:
+    async def scenario() -> None:
+        api = await build_api()
+        looked_up: list[str] = []
+        original = api.world.transactions.get
+
+        async def spy(reference_id: str) -> Any:
+            looked_up.append(reference_id)
+            return await original(reference_id)
+
+        api.world.transactions.get = spy  # type: ignore[method-assign]
+        async with api.http() as http:
+            for value in ["counts", "queue", "f" * 31, "F" * 32, "g" * 32, "a" * 32 + " "]:
+                response = await http.post("/result", headers=api.headers(), json={"reference_id": value})
+                assert response.status_code == 422, value
+                assert response.json()["errors"] == {"reference_id": "must be 32 lowercase hex digits"}
+        assert looked_up == []
+
+    asyncio.run(scenario())
+
+
+def backend_errors() -> list[ServiceError]:
+    refused = redis_exceptions.ConnectionError("Error 111 connecting to 10.1.2.3:6379. Connection refused.")
+    wrongtype = redis_exceptions.ResponseError(
+        "WRONGTYPE Operation against a key holding the wrong kind of value"
+    )
+    milvus = MilvusException(
+        code=2, message="Fail connecting to server on milvus.internal:19530, illegal connection"
+    )
+    return [
+        to_backend_unavailable(refused),
+        to_backend_unavailable(wrongtype),
+        MilvusGalleryStore._unavailable(milvus),
+        ModelUnavailable("ray.exceptions.RayActorError: The actor died unexpectedly: node 10.1.2.4"),
+    ]
+
+
+@pytest.mark.parametrize("error", backend_errors(), ids=lambda error: type(error).__name__)
+def test_backend_text_never_reaches_a_response(error: ServiceError, caplog: pytest.LogCaptureFixture) -> None:
+    async def scenario() -> None:
+        api = await build_api()
+
+        async def failing(reference_id: str) -> Any:
+            raise error
+
+        api.world.transactions.get = failing  # type: ignore[method-assign]
+        reference_id = "0123456789abcdef0123456789abcdef"
+        async with api.http() as http:
+            with caplog.at_level(logging.WARNING, logger="serve_app.api.errors"):
+                response = await http.post(
+                    "/result", headers=api.headers(), json={"reference_id": reference_id}
+                )
+        assert response.status_code == 503
+        assert response.json() == {"status": False, "message": type(error).public_message, "errors": {}}
+        assert_no_backend_text(response.text, ports=[6379, 19530])
+        for word in ("10.1.2.3", "milvus.internal", "RayActorError"):
+            assert word not in response.text
+        logged = [record.getMessage() for record in caplog.records]
+        assert any(error.message in line and reference_id in line for line in logged), logged
+
+    asyncio.run(scenario())
+
+
+def test_every_backend_error_class_has_a_fixed_public_message() -> None:
+    for error_class in (BackendUnavailable, ModelUnavailable):
+        assert error_class.public_message and "{" not in error_class.public_message
+
+
+def test_multipart_parser_text_is_not_echoed() -> None:
+    async def scenario() -> None:
+        api = await build_api()
+        async with api.http() as http:
+            response = await http.post(
+                "/face-search",
+                headers={**api.headers(), "Content-Type": "multipart/form-data; boundary=xyz"},
+                content=b"\xff\xfe--xyz",  # the parser: "Expected boundary character 45, got 255"
+            )
+        assert response.status_code == 422
+        assert response.json()["errors"] == {"body": "malformed form data"}
+        assert "boundary character" not in response.text
+
+    asyncio.run(scenario())
