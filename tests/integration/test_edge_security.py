@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import re
+import socket
+import stat
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -14,10 +16,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from redis import asyncio as redis_asyncio
+from redis import exceptions as redis_exceptions
 
 from serve_app.api.app import create_app
 from serve_app.domain.errors import BackendUnavailable
-from serve_app.embedded import EmbeddedServices
+from serve_app.embedded import EmbeddedRedis, EmbeddedServices
 from serve_app.settings import Settings
 from serve_app.stores.redis_support import connect_redis
 from serve_app.wiring import build_api_services, redis_stores
@@ -259,5 +263,64 @@ def test_redis_down_answers_a_fixed_message_without_host_port_or_exception(
 
     try:
         asyncio.run(scenario())
+    finally:
+        server.stop()
+
+
+# -- item 6: the embedded redis-server requires a generated password ---------------------------------------
+
+
+def raw_command(port: int, command: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(command)
+        return sock.recv(256)
+
+
+def test_embedded_redis_refuses_unauthenticated_clients_and_keeps_its_password_private(
+    tmp_path: Path,
+) -> None:
+    server = EmbeddedRedis(tmp_path / "redis")
+    server.start()
+    try:
+        assert server.pid is not None
+        password = server.password()
+        assert len(password) >= 32
+        assert stat.S_IMODE(server.password_path.stat().st_mode) == 0o600
+        for path in server.data_dir.iterdir():
+            if path.is_file() and password in path.read_text(errors="replace"):
+                assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+        # Not on the command line, which any local user can read.
+        assert password not in Path(f"/proc/{server.pid}/cmdline").read_bytes().decode(errors="replace")
+
+        assert raw_command(server.port, b"PING\r\n").startswith(b"-NOAUTH")
+        assert raw_command(server.port, b"AUTH wrong-password\r\n").startswith(b"-WRONGPASS")
+        assert raw_command(server.port, b"CONFIG GET protected-mode\r\n").startswith(b"-NOAUTH")
+
+        async def clients() -> None:
+            anonymous = redis_asyncio.Redis(host="127.0.0.1", port=server.port, socket_timeout=5)
+            try:
+                with pytest.raises(redis_exceptions.AuthenticationError):
+                    await anonymous.ping()
+            finally:
+                await anonymous.aclose()
+            authenticated = connect_redis(server.url)
+            try:
+                assert await authenticated.ping() is True
+                assert await authenticated.config_get("protected-mode") == {"protected-mode": "yes"}
+            finally:
+                await authenticated.aclose()
+
+        asyncio.run(clients())
+
+        # A restart reuses the password file: clients configured with the URL keep working.
+        url = server.url
+        server.stop()
+        server.start()
+        assert server.password() == password and server.url == url
+        assert raw_command(server.port, f"AUTH {password}\r\nPING\r\n".encode()).startswith(b"+OK\r\n")
+        # A second launcher on the same data directory attaches with the same credentials.
+        second = EmbeddedRedis(tmp_path / "redis")
+        second.start()
+        assert not second.owned and second.url == url
     finally:
         server.stop()
