@@ -366,10 +366,10 @@ def test_redis_down_fails_fast_in_every_store() -> None:
         limiter = RedisRateLimiter(redis)
         calls: list[Callable[[], Awaitable[Any]]] = [
             lambda: tx_store.create_and_enqueue(make_tx()),
-            lambda: tx_store.get("x"),
+            lambda: tx_store.get(new_reference_id()),
             lambda: tx_store.mark_processing("x"),
             lambda: tx_store.complete("x", {}),
-            lambda: tx_store.wait_final("x", 1),
+            lambda: tx_store.wait_final(new_reference_id(), 1),
             lambda: tx_store.claim("w", 1, 100),
             lambda: tx_store.reclaim_stale("w", 10, 1),
             lambda: tx_store.ack(["1-0"]),
