@@ -6,6 +6,7 @@ the Serve config pass the same environment to all of them.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import secrets
 from dataclasses import dataclass, field
@@ -20,6 +21,18 @@ def _env_int(name: str, default: int) -> int:
 def _env_float(name: str, default: float) -> float:
     raw = os.environ.get(name)
     return default if raw in (None, "") else float(raw)
+
+
+def _env_networks(name: str) -> tuple[str, ...]:
+    """Comma-separated CIDRs (or single addresses), normalised; a malformed one stops start-up."""
+    networks = []
+    for item in (os.environ.get(name) or "").split(","):
+        if item.strip():
+            try:
+                networks.append(str(ipaddress.ip_network(item.strip(), strict=False)))
+            except ValueError:
+                raise RuntimeError(f"{name}: {item.strip()!r} is not an IP address or CIDR") from None
+    return tuple(networks)
 
 
 @dataclass(frozen=True)
@@ -37,8 +50,11 @@ class Settings:
     max_image_pixels: int = 40_000_000
     analysis_max_side: int = 1920  # larger images are downscaled before detection
     wait_for_result_timeout_s: float = 10.0
-    login_failures_per_window: int = 10
-    login_window_s: int = 300
+    login_failures_per_window: int = 10  # per (client_id, source): attempts before the back-off starts
+    login_window_s: int = 300  # failed attempts are forgotten this long after the last one
+    login_backoff_max_s: int = 900  # the doubling wait between attempts stops growing here
+    unauthenticated_per_minute: int = 300  # per source: logins and requests whose credentials fail
+    trusted_proxies: tuple[str, ...] = ()  # CIDRs whose X-Forwarded-For is believed
     requests_per_minute: int = 6000  # per client (tenant)
     max_matches: int = 10
     match_min_score: float | None = None  # None: models.scoring's default threshold
@@ -73,6 +89,9 @@ class Settings:
             wait_for_result_timeout_s=_env_float("FACESEARCH_WAIT_FOR_RESULT_TIMEOUT_S", 10.0),
             login_failures_per_window=_env_int("FACESEARCH_LOGIN_FAILURES_PER_WINDOW", 10),
             login_window_s=_env_int("FACESEARCH_LOGIN_WINDOW_S", 300),
+            login_backoff_max_s=_env_int("FACESEARCH_LOGIN_BACKOFF_MAX_S", 900),
+            unauthenticated_per_minute=_env_int("FACESEARCH_UNAUTHENTICATED_PER_MINUTE", 300),
+            trusted_proxies=_env_networks("FACESEARCH_TRUSTED_PROXIES"),
             requests_per_minute=_env_int("FACESEARCH_REQUESTS_PER_MINUTE", 6000),
             max_matches=_env_int("FACESEARCH_MAX_MATCHES", 10),
             match_min_score=(

@@ -10,6 +10,7 @@ from typing import Any
 from models.embedder import MODEL_VERSION
 from models.scoring import DEFAULT_MIN_SCORE
 from serve_app.api.app import ApiServices
+from serve_app.api.limits import parse_networks
 from serve_app.api.tokens import TokenSigner
 from serve_app.pipelines.analysis import FaceAnalysisBackend
 from serve_app.pipelines.auth import ClientAuthenticator
@@ -71,11 +72,14 @@ def build_api_services(settings: Settings) -> ApiServices:
             login_failures_per_window=settings.login_failures_per_window,
             login_window_s=settings.login_window_s,
             requests_per_minute=settings.requests_per_minute,
+            login_backoff_max_s=settings.login_backoff_max_s,
+            unauthenticated_per_minute=settings.unauthenticated_per_minute,
         ),
         signer=TokenSigner(settings.secret_key, settings.access_token_ttl_s, settings.proof_ttl_s),
         max_upload_bytes=settings.max_upload_bytes,
         wait_for_result_timeout_s=settings.wait_for_result_timeout_s,
         public_base_url=settings.public_base_url,
+        trusted_proxies=parse_networks(settings.trusted_proxies),
     )
 
 

@@ -75,6 +75,7 @@ def loopback_ray_env(tmp: Path) -> dict[str, str]:
         "RAY_TMPDIR": str(tmp),
         "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_AUTH_MODE": "disabled",
+        "FORWARDED_ALLOW_IPS": "",  # as `facesearch start` sets it: the ingress judges X-Forwarded-For
     }
 
 

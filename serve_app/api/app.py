@@ -11,10 +11,16 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app.api import errors, parsing
-from serve_app.api.limits import BodySizeLimitMiddleware
+from serve_app.api.limits import BodySizeLimitMiddleware, IPNetwork, client_source
 from serve_app.api.openapi import REQUEST_BODIES, RESPONSES, describe
 from serve_app.api.tokens import TokenSigner
-from serve_app.domain.errors import AuthenticationFailed, NotFound, ServiceError, ValidationFailed
+from serve_app.domain.errors import (
+    AuthenticationFailed,
+    NotFound,
+    ProofExpired,
+    ServiceError,
+    ValidationFailed,
+)
 from serve_app.domain.identifiers import is_client_id, is_proof_token, is_reference_id
 from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState
 from serve_app.pipelines.auth import ClientAuthenticator
@@ -22,6 +28,7 @@ from serve_app.pipelines.commands import AgeEstimationCommand, FaceSearchCommand
 from serve_app.pipelines.processing import public_result
 from serve_app.pipelines.proofs import ProofService
 from serve_app.pipelines.transactions import TransactionService
+from serve_app.stores.interfaces import ClientInfo
 
 CLIENT_SECRET_HEADER = "Client-Secret"
 _JSON = "application/json"
@@ -38,6 +45,7 @@ class ApiServices:
     max_upload_bytes: int
     wait_for_result_timeout_s: float
     public_base_url: str | None
+    trusted_proxies: tuple[IPNetwork, ...] = ()  # whose X-Forwarded-For is believed
 
 
 def envelope(message: str, data: dict[str, Any]) -> dict[str, Any]:
@@ -56,8 +64,22 @@ def create_app(services: ApiServices) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, errors.http_error_handler)
     app.add_exception_handler(Exception, errors.unexpected_error_handler)
 
+    def source_of(request: Request) -> str:
+        peer = request.client.host if request.client else None
+        return client_source(peer, request.headers.getlist("x-forwarded-for"), services.trusted_proxies)
+
     async def tenant_of(request: Request) -> str:
-        """Bearer access token, or the Client-Secret header; either way the client is the tenant."""
+        """Bearer access token, or the Client-Secret header; either way the client is the tenant. A failed
+        check counts against the source's allowance of unauthenticated requests (429 once it is spent)."""
+        try:
+            client = await authenticated_client(request)
+        except AuthenticationFailed:
+            await services.auth.count_unauthenticated(source_of(request))
+            raise
+        await services.auth.count_request(client.client_id)
+        return client.client_id
+
+    async def authenticated_client(request: Request) -> ClientInfo:
         authorization = request.headers.get("authorization", "")
         if authorization:
             scheme, _, token = authorization.partition(" ")
@@ -71,8 +93,7 @@ def create_app(services: ApiServices) -> FastAPI:
             raise AuthenticationFailed(
                 f"Authentication required: send 'Authorization: Bearer <token>' or '{CLIENT_SECRET_HEADER}'."
             )
-        await services.auth.count_request(client.client_id)
-        return client.client_id
+        return client
 
     def base_url(request: Request) -> str:
         return services.public_base_url or str(request.base_url).rstrip("/")
@@ -84,6 +105,8 @@ def create_app(services: ApiServices) -> FastAPI:
         responses=RESPONSES["token"],
     )
     async def request_access_token(request: Request) -> JSONResponse:
+        source = source_of(request)
+        await services.auth.count_unauthenticated(source)
         body = await parsing.read_body(request, (_JSON, _URLENCODED, _MULTIPART), 4096)
         client_id, client_secret = body.fields.get("client_id"), body.fields.get("client_secret")
         problems = {
@@ -98,7 +121,6 @@ def create_app(services: ApiServices) -> FastAPI:
             raise ValidationFailed(
                 "client_id is not a valid client id.", {"client_id": "must be cl_ followed by 24 hex digits"}
             )
-        source = request.client.host if request.client else "unknown"
         client = await services.auth.login(client_id, client_secret, source)
         token, expires_in = services.signer.issue_access(client.client_id)
         data = {"token": token, "token_type": "Bearer", "expires_in": expires_in}
@@ -182,12 +204,17 @@ def create_app(services: ApiServices) -> FastAPI:
         return response
 
     @app.get("/get-proof/{proof_token}", tags=["proofs"], responses=RESPONSES["proof"])
-    async def get_proof(proof_token: str) -> Response:
-        if not is_proof_token(proof_token):
-            # A URL that names no proof: 404 like any tampered token (the README's contract for this path).
-            raise NotFound("No proof image exists for this URL.")
-        claims = services.signer.verify_proof(proof_token)
-        data, content_type = await services.proofs.load(claims.tenant_id, claims.face_id)
+    async def get_proof(proof_token: str, request: Request) -> Response:
+        try:
+            if not is_proof_token(proof_token):
+                # A URL that names no proof: 404 like any tampered token (the README's contract here).
+                raise NotFound("No proof image exists for this URL.")
+            claims = services.signer.verify_proof(proof_token)
+            data, content_type = await services.proofs.load(claims.tenant_id, claims.face_id)
+        except (NotFound, ProofExpired):
+            # The URL is the credential here: a failed one counts like failed credentials elsewhere.
+            await services.auth.count_unauthenticated(source_of(request))
+            raise
         remaining = max(0, claims.expires_at - int(time.time()))
         return Response(
             data, media_type=content_type, headers={"Cache-Control": f"private, max-age={remaining}"}

@@ -1,10 +1,16 @@
-"""Refuse oversized bodies before reading them: by Content-Length when declared, else while streaming."""
+"""Request limits at the edge: oversized bodies are refused before they are read (by Content-Length when
+declared, else while streaming), and the source address that per-source limits count is decided here."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
+from collections.abc import Iterable, Sequence
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 class BodyTooLarge(Exception):
@@ -68,3 +74,42 @@ class BodySizeLimitMiddleware:
             }
         )
         await send({"type": "http.response.body", "body": body})
+
+
+def parse_networks(cidrs: Iterable[str]) -> tuple[IPNetwork, ...]:
+    return tuple(ipaddress.ip_network(cidr, strict=False) for cidr in cidrs)
+
+
+def _address(value: str | None) -> IPAddress | None:
+    if not value:
+        return None
+    try:
+        address = ipaddress.ip_address(value.strip())
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+def client_source(peer: str | None, forwarded_for: Sequence[str], trusted: Sequence[IPNetwork]) -> str:
+    """The address per-source limits count, as a bucket name.
+
+    X-Forwarded-For is believed only as far as it was written by trusted proxies: starting from the peer,
+    while the current hop is a trusted proxy, step to the address it says it received the request from
+    (the right-most entry not yet used). The first untrusted address is the source, so a client cannot
+    pick its own bucket by sending the header itself. With no trusted proxies the header is ignored.
+    An IPv6 source counts as its /64, which one host can usually fill with addresses at will.
+    """
+    address = _address(peer)
+    if address is None:
+        return "unknown"
+    hops = [part for header in forwarded_for for part in header.split(",")]
+    while hops and any(address in network for network in trusted):
+        forwarded = _address(hops.pop())
+        if forwarded is None:
+            break  # a malformed entry: the trusted hop that passed it on is all that is known
+        address = forwarded
+    if isinstance(address, ipaddress.IPv6Address):
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)

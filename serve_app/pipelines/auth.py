@@ -1,9 +1,28 @@
-"""Who is calling: client credentials, login throttling and per-client request limits."""
+"""Who is calling: client credentials, login throttling and request limits.
+
+Throttling is built so that nobody can use it against someone else:
+- failed logins are counted per (client_id, source address), so an attacker's failures from one address
+  never lock the real client out from its own; each attempt past the allowance waits twice as long as the
+  one before (capped), and checking and counting are one atomic step, so parallel attempts cannot slip
+  through a check made before any of them was counted;
+- every login, and every request whose credentials fail, counts against a per-source allowance of
+  unauthenticated requests, which bounds guessing across many client ids from one address.
+"""
 
 from __future__ import annotations
 
 from serve_app.domain.errors import AuthenticationFailed, RateLimited
 from serve_app.stores.interfaces import ClientInfo, ClientStore, RateLimiter
+
+LOGIN_BACKOFF_BASE_S = 1.0  # the first wait once the free attempts are used up; it doubles per attempt
+
+
+def login_key(client_id: str, source: str) -> str:
+    return f"login:{client_id}:{source}"
+
+
+def unauthenticated_key(source: str) -> str:
+    return f"unauthenticated:{source}"
 
 
 class ClientAuthenticator:
@@ -14,26 +33,42 @@ class ClientAuthenticator:
         login_failures_per_window: int,
         login_window_s: int,
         requests_per_minute: int,
+        login_backoff_max_s: int = 900,
+        unauthenticated_per_minute: int = 300,
     ) -> None:
         self._clients = clients
         self._limiter = limiter
         self._failures_allowed = login_failures_per_window
         self._window_s = login_window_s
+        self._backoff_max_s = login_backoff_max_s
         self._requests_per_minute = requests_per_minute
+        self._unauthenticated_per_minute = unauthenticated_per_minute
+
+    async def count_unauthenticated(self, source: str) -> None:
+        """Count a request from `source` that carries no valid credentials (a login, a failed check)."""
+        retry_after = await self._limiter.hit(
+            unauthenticated_key(source), self._unauthenticated_per_minute, 60
+        )
+        if retry_after:
+            raise RateLimited(
+                "Too many unauthenticated requests from this address; try again later.", retry_after
+            )
 
     async def login(self, client_id: str, client_secret: str, source: str) -> ClientInfo:
-        """Check credentials. Failed attempts are counted per client_id and per source address, and once
-        either exceeds its allowance every further attempt is refused (429) until the window passes."""
-        keys = (f"login-fail:id:{client_id}", f"login-fail:ip:{source}")
-        for key in keys:
-            retry_after = await self._limiter.peek(key, self._failures_allowed, self._window_s)
-            if retry_after:
-                raise RateLimited("Too many failed logins; try again later.", retry_after)
+        """Check credentials. The attempt is counted before the check, atomically with the back-off test,
+        and forgotten on success."""
+        key = login_key(client_id, source)
+        retry_after = await self._limiter.attempt(
+            key, self._failures_allowed, LOGIN_BACKOFF_BASE_S, self._backoff_max_s, self._window_s
+        )
+        if retry_after:
+            raise RateLimited(
+                "Too many failed logins for this client from this address; try again later.", retry_after
+            )
         client = await self._clients.verify(client_id, client_secret)
         if client is None:
-            for key in keys:
-                await self._limiter.hit(key, self._failures_allowed, self._window_s)
             raise AuthenticationFailed("Invalid client_id or client_secret.")
+        await self._limiter.reset(key)
         return client
 
     async def active_client(self, client_id: str) -> ClientInfo:

@@ -135,4 +135,10 @@ class RateLimiter(Protocol):
     async def peek(self, key: str, limit: int, window_s: int) -> int:
         """Like hit, without counting: 0 while under the limit, else seconds until the window frees up."""
 
+    async def attempt(
+        self, key: str, free_attempts: int, base_s: float, max_s: float, memory_s: float
+    ) -> int:
+        """Atomically: 0 and count the attempt, unless the key is backing off: then the seconds to wait.
+        After free_attempts attempts the wait before the next one is base_s, doubling up to max_s."""
+
     async def reset(self, key: str) -> None: ...

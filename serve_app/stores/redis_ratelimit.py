@@ -1,7 +1,7 @@
-"""Fixed-window rate limiting in Redis: one counter per key that expires when its window ends.
+"""Rate limiting in Redis: fixed windows (hit/peek) and attempts with a growing back-off (attempt).
 
 Keys (prefix default "fs:"):
-  {p}rl:{sha256(key)}   the counter of one limiter key
+  {p}rl:{sha256(key)}   a fixed window's counter, or an attempt key's hash {n: attempts, until: ms}
 
 Limiter keys carry caller-supplied parts (client ids, addresses), so they only appear in key names hashed.
 
@@ -31,11 +31,32 @@ return {count, ttl}
 """
 
 
+# Check and count in one step, so parallel attempts cannot all pass a check made before any of them was
+# counted. KEYS[1]: hash {n, until}; ARGV: free attempts, base back-off ms, max back-off ms, memory ms.
+# Returns the milliseconds to wait (0: go ahead, counted). The server's clock, so ingress replicas agree.
+_ATTEMPT = """
+local time = redis.call('TIME')
+local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+local blocked = tonumber(redis.call('HGET', KEYS[1], 'until') or '0')
+if blocked > now then return blocked - now end
+local n = redis.call('HINCRBY', KEYS[1], 'n', 1)
+local wait = 0
+if n >= tonumber(ARGV[1]) then
+  wait = math.min(tonumber(ARGV[2]) * 2 ^ (n - tonumber(ARGV[1])), tonumber(ARGV[3]))
+  wait = math.floor(wait)
+  redis.call('HSET', KEYS[1], 'until', now + wait)
+end
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[4]) + wait)
+return 0
+"""
+
+
 class RedisRateLimiter:
     def __init__(self, redis: Redis, prefix: str = "fs:") -> None:
         self._redis = redis
         self._prefix = prefix
         self._hit = redis.register_script(_HIT)
+        self._attempt = redis.register_script(_ATTEMPT)
 
     def _key(self, key: str) -> str:
         return f"{self._prefix}rl:{hashlib.sha256(key.encode()).hexdigest()}"
@@ -61,6 +82,22 @@ class RedisRateLimiter:
         if int(ttl_ms) < 0:
             return max(1, int(window_s))
         return max(1, math.ceil(int(ttl_ms) / 1000))
+
+    async def attempt(
+        self, key: str, free_attempts: int, base_s: float, max_s: float, memory_s: float
+    ) -> int:
+        """Count one attempt unless the key is backing off; 0 when counted (go ahead), else whole seconds
+        (>= 1) until the next attempt may be made.
+
+        free_attempts attempts go ahead back to back; after them each attempt has to wait, base_s at first,
+        doubling per attempt up to max_s. reset() (a success) forgets them; so does memory_s without an
+        attempt."""
+        async with redis_errors():
+            wait_ms = await self._attempt(
+                keys=[self._key(key)],
+                args=[max(1, free_attempts), int(base_s * 1000), int(max_s * 1000), int(memory_s * 1000)],
+            )
+        return 0 if int(wait_ms) <= 0 else max(1, math.ceil(int(wait_ms) / 1000))
 
     async def reset(self, key: str) -> None:
         async with redis_errors():

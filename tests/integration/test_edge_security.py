@@ -324,3 +324,61 @@ def test_embedded_redis_refuses_unauthenticated_clients_and_keeps_its_password_p
         assert not second.owned and second.url == url
     finally:
         server.stop()
+
+
+# -- item 4: login throttling that cannot be turned against the client ---------------------------------------
+
+
+def test_fifty_parallel_bad_logins_cannot_exceed_the_allowance(
+    redis_server: EmbeddedServices, tmp_path: Path
+) -> None:
+    async def scenario() -> None:
+        settings = settings_for(redis_server, tmp_path, login_failures_per_window=10)
+        async with edge(settings, peer="203.0.113.7") as e:
+            attempts = [
+                e.http.post(
+                    "/request-access-token", json={"client_id": e.client_id, "client_secret": f"guess-{n}"}
+                )
+                for n in range(50)
+            ]
+            responses = await asyncio.gather(*attempts)
+            statuses = sorted(response.status_code for response in responses)
+            assert statuses.count(401) == 10, statuses
+            assert statuses.count(429) == 40, statuses
+            # The store-level step alone, in parallel too: exactly the allowance goes ahead.
+            limiter = redis_stores(settings).limiter
+            waits = await asyncio.gather(
+                *(limiter.attempt("parallel-probe", 10, 1.0, 60.0, 300.0) for _ in range(50))
+            )
+            assert sorted(waits).count(0) == 10 and all(wait >= 1 for wait in waits if wait)
+
+    asyncio.run(scenario())
+
+
+def test_an_attackers_failures_do_not_stop_the_client_from_its_own_address(
+    redis_server: EmbeddedServices, tmp_path: Path
+) -> None:
+    async def scenario() -> None:
+        settings = settings_for(redis_server, tmp_path, login_failures_per_window=10)
+        async with edge(settings, peer="198.51.100.20") as client:
+            transport = httpx.ASGITransport(
+                app=create_app(build_api_services(settings)), client=("203.0.113.7", 40000)
+            )
+            async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as attacker:
+                body = {"client_id": client.client_id, "client_secret": "wrong"}
+                statuses = [
+                    (await attacker.post("/request-access-token", json=body)).status_code for _ in range(30)
+                ]
+                assert statuses.count(401) == 10 and statuses.count(429) == 20, statuses
+                # Rotating X-Forwarded-For does not help: no proxy is trusted, so the header is ignored.
+                spoofed = await attacker.post(
+                    "/request-access-token", json=body, headers={"X-Forwarded-For": "192.0.2.77"}
+                )
+                assert spoofed.status_code == 429
+            ok = await client.http.post(
+                "/request-access-token",
+                json={"client_id": client.client_id, "client_secret": client.client_secret},
+            )
+            assert ok.status_code == 200, ok.text
+
+    asyncio.run(scenario())

@@ -219,10 +219,11 @@ def target(service: RunningService) -> Iterator[FuzzTarget]:
         signer=TokenSigner(settings_.secret_key, settings_.access_token_ttl_s, settings_.proof_ttl_s),
         tenant_id=client.client_id,
     )
+    from serve_app.pipelines.auth import unauthenticated_key
     from serve_app.wiring import redis_stores
 
     async def forget_failed_logins() -> None:
-        await redis_stores(settings_).limiter.reset(f"login-fail:ip:{source}")
+        await redis_stores(settings_).limiter.reset(unauthenticated_key(source))
 
     asyncio.run(forget_failed_logins())
 

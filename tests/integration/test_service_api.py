@@ -341,3 +341,29 @@ def test_custom_metrics_reach_prometheus_endpoint(
             f"reported: {sorted((k, v) for k, v in samples.items() if 'facesearch' in k[0])}"
         )
         time.sleep(2)
+
+
+def test_result_with_internal_key_names_is_422_through_the_service(http: httpx.Client, token: str) -> None:
+    """Issue 10: "counts" answered 500 and "queue" 503 with Redis's WRONGTYPE text."""
+    for value in ("counts", "queue", "tx:queue", "sys:tx-queue"):
+        response = http.post("/result", headers=auth(token), json={"reference_id": value})
+        assert response.status_code == 422, (value, response.text)
+        assert set(response.json()["errors"]) == {"reference_id"}
+        assert "WRONGTYPE" not in response.text
+
+
+def test_forwarded_for_from_loopback_does_not_choose_the_login_bucket(service: RunningService) -> None:
+    """No trusted proxies: X-Forwarded-For from 127.0.0.1 is not believed, not even by the uvicorn inside
+    Ray's HTTP proxy (which trusts 127.0.0.1 by default), so rotating it does not buy fresh attempts."""
+    client = service.new_client("xff")
+    allowance = service.settings.login_failures_per_window
+    with service.http() as http:
+        statuses = [
+            http.post(
+                "/request-access-token",
+                json={"client_id": client.client_id, "client_secret": "wrong"},
+                headers={"X-Forwarded-For": f"198.51.100.{n}"},
+            ).status_code
+            for n in range(allowance + 1)
+        ]
+    assert statuses == [401] * allowance + [429], statuses

@@ -42,6 +42,7 @@ from PIL import Image
 
 from models.types import AgeEstimate, AnalyzedFace, DetectedFace
 from serve_app.api.app import ApiServices, create_app
+from serve_app.api.limits import parse_networks
 from serve_app.api.tokens import TokenSigner
 from serve_app.domain.errors import BackendUnavailable
 from serve_app.domain.faces import FaceRecord, GalleryEntry, GalleryMatch
@@ -502,6 +503,7 @@ class FakeRateLimiter:
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
         self._windows: dict[str, tuple[float, int]] = {}  # key -> (window end, events counted)
+        self._attempts: dict[str, tuple[int, float, float]] = {}  # key -> (count, blocked until, forget at)
         self.hits: list[str] = []
 
     def _current(self, key: str) -> tuple[float, int] | None:
@@ -528,9 +530,27 @@ class FakeRateLimiter:
             return 0
         return self._seconds_left(window[0])
 
+    async def attempt(
+        self, key: str, free_attempts: int, base_s: float, max_s: float, memory_s: float
+    ) -> int:
+        # No await before the decision: like the Redis script, check and count are one step.
+        now = self._clock()
+        count, blocked_until, forget_at = self._attempts.get(key, (0, 0.0, 0.0))
+        if forget_at <= now:
+            count, blocked_until = 0, 0.0
+        if blocked_until > now:
+            await asyncio.sleep(0)
+            return self._seconds_left(blocked_until)
+        count += 1
+        wait = min(base_s * 2 ** (count - free_attempts), max_s) if count >= free_attempts else 0.0
+        self._attempts[key] = (count, now + wait, now + memory_s + wait)
+        await asyncio.sleep(0)
+        return 0
+
     async def reset(self, key: str) -> None:
         await asyncio.sleep(0)
         self._windows.pop(key, None)
+        self._attempts.pop(key, None)
 
 
 # ------------------------------------------------------------------------------------------ models
@@ -785,6 +805,9 @@ async def build_api(
     public_base_url: str | None = None,
     login_failures_per_window: int = 3,
     login_window_s: int = 300,
+    login_backoff_max_s: int = 900,
+    unauthenticated_per_minute: int = 10_000,
+    trusted_proxies: tuple[str, ...] = (),
     requests_per_minute: int = 10_000,
     limiter_clock: Callable[[], float] = time.time,
     access_ttl_s: int = 900,
@@ -799,6 +822,8 @@ async def build_api(
         login_failures_per_window=login_failures_per_window,
         login_window_s=login_window_s,
         requests_per_minute=requests_per_minute,
+        login_backoff_max_s=login_backoff_max_s,
+        unauthenticated_per_minute=unauthenticated_per_minute,
     )
     signer = TokenSigner(SERVICE_SECRET, access_ttl_s=access_ttl_s, proof_ttl_s=proof_ttl_s)
     services = ApiServices(
@@ -809,6 +834,7 @@ async def build_api(
         max_upload_bytes=max_upload_bytes,
         wait_for_result_timeout_s=wait_for_result_timeout_s,
         public_base_url=public_base_url,
+        trusted_proxies=parse_networks(trusted_proxies),
     )
     info, secret = await clients.create("tenant-a")
     return Api(world, signer, clients, limiter, auth, services, info.client_id, secret)

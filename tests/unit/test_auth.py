@@ -211,53 +211,126 @@ def test_client_secret_header_authenticates_and_a_wrong_one_is_401() -> None:
     asyncio.run(scenario())
 
 
-def test_repeated_failed_logins_are_throttled_until_the_window_passes() -> None:
+def test_failed_logins_back_off_with_doubling_waits_and_a_success_forgets_them() -> None:
     async def scenario() -> None:
         clock = ManualClock(time.time())
-        api = await build_api(login_failures_per_window=3, login_window_s=300, limiter_clock=clock)
+        api = await build_api(
+            login_failures_per_window=3, login_window_s=300, login_backoff_max_s=8, limiter_clock=clock
+        )
         async with api.http() as http:
-            for _ in range(3):
+            for _ in range(3):  # the free attempts, back to back
                 failed = await login(http, api.client_id, "wrong-secret")
                 assert failed.status_code == 401
                 assert_error_envelope(failed.json())
-            blocked = await login(http, api.client_id, api.client_secret)  # even the right secret
-            assert blocked.status_code == 429
-            assert_error_envelope(blocked.json())
-            assert 0 < int(blocked.headers["Retry-After"]) <= 300
+            waits = []
+            for _ in range(5):
+                blocked = await login(http, api.client_id, api.client_secret)  # even the right secret
+                assert blocked.status_code == 429
+                assert_error_envelope(blocked.json())
+                waits.append(int(blocked.headers["Retry-After"]))
+                clock.advance(waits[-1])
+                assert (await login(http, api.client_id, "wrong-secret")).status_code == 401
+            assert waits == [1, 2, 4, 8, 8]  # doubling, capped at login_backoff_max_s
 
-            clock.advance(150)
-            still = await login(http, api.client_id, api.client_secret)
-            assert still.status_code == 429
-            assert int(still.headers["Retry-After"]) <= 150
-
-            clock.advance(151)
+            clock.advance(8)
             allowed = await login(http, api.client_id, api.client_secret)
             assert allowed.status_code == 200
             assert (await search(http, bearer(allowed.json()["result"]["data"]["token"]))).status_code == 200
+            # The success forgot the failures: three free attempts again.
+            for _ in range(3):
+                assert (await login(http, api.client_id, "wrong-secret")).status_code == 401
+            assert (await login(http, api.client_id, api.client_secret)).status_code == 429
+
+            clock.advance(301 + 8)  # failures are forgotten login_window_s after the last one
+            assert (await login(http, api.client_id, api.client_secret)).status_code == 200
 
     asyncio.run(scenario())
 
 
-def test_failed_logins_are_counted_per_source_address_and_per_client_id() -> None:
+def test_an_attackers_failed_logins_never_lock_the_client_out_from_its_own_address() -> None:
     async def scenario() -> None:
         clock = ManualClock(time.time())
         api = await build_api(login_failures_per_window=3, login_window_s=300, limiter_clock=clock)
-        async with api.http(client=("10.0.0.1", 1000)) as attacker:
-            guesses = [new_client_id() for _ in range(4)]
-            for guess in guesses[:3]:  # a spray over many client ids from one address
-                assert (await login(attacker, guess, "guess")).status_code == 401
-            assert (await login(attacker, guesses[3], "guess")).status_code == 429
-            assert (await login(attacker, api.client_id, api.client_secret)).status_code == 429
-        async with api.http(client=("10.0.0.2", 1000)) as bystander:
-            assert (await login(bystander, api.client_id, api.client_secret)).status_code == 200
-            assert (await login(bystander, guesses[0], "guess")).status_code == 401
+        async with api.http(client=("203.0.113.7", 1000)) as attacker:
+            statuses = [(await login(attacker, api.client_id, f"guess-{n}")).status_code for n in range(20)]
+            assert statuses[:3] == [401, 401, 401] and set(statuses[3:]) == {429}
+            # Spoofed X-Forwarded-For does not move the attacker into another bucket (no trusted proxies).
+            spoofed = await attacker.post(
+                "/request-access-token",
+                json={"client_id": api.client_id, "client_secret": api.client_secret},
+                headers={"X-Forwarded-For": "198.51.100.20"},
+            )
+            assert spoofed.status_code == 429
+        async with api.http(client=("198.51.100.20", 1000)) as client:
+            assert (await login(client, api.client_id, api.client_secret)).status_code == 200
 
-        other_id, other_secret = await api.new_client("tenant-b")
-        for address in ("10.1.0.1", "10.1.0.2", "10.1.0.3"):  # one client id from many addresses
-            async with api.http(client=(address, 1000)) as http:
-                assert (await login(http, other_id, "wrong")).status_code == 401
-        async with api.http(client=("10.1.0.4", 1000)) as http:
-            assert (await login(http, other_id, other_secret)).status_code == 429
+    asyncio.run(scenario())
+
+
+def test_unauthenticated_requests_are_limited_per_source() -> None:
+    async def scenario() -> None:
+        api = await build_api(unauthenticated_per_minute=5)
+        async with api.http(client=("203.0.113.7", 1000)) as attacker:
+            spray = [new_client_id() for _ in range(3)]
+            for guess in spray:  # a spray over client ids: each a different (client_id, source) pair
+                assert (await login(attacker, guess, "guess")).status_code == 401
+            assert (await attacker.post("/result", json={"reference_id": "0" * 32})).status_code == 401
+            assert (await attacker.get("/get-proof/not-a-token")).status_code == 404
+            # The allowance of 5 is spent: logins, bad credentials and bad proof URLs are all refused.
+            refused = [
+                await login(attacker, new_client_id(), "guess"),
+                await login(attacker, api.client_id, api.client_secret),
+                await attacker.post(
+                    "/result", json={"reference_id": "0" * 32}, headers={"Client-Secret": "x"}
+                ),
+                await attacker.get("/get-proof/not-a-token"),
+            ]
+            for response in refused:
+                assert response.status_code == 429, response.text
+                assert_error_envelope(response.json())
+                assert 1 <= int(response.headers["Retry-After"]) <= 60
+            # A client with valid credentials behind the same address is not an unauthenticated request.
+            assert (await search(attacker, api.headers())).status_code == 200
+        async with api.http(client=("198.51.100.20", 1000)) as other:
+            assert (await login(other, api.client_id, api.client_secret)).status_code == 200
+
+    asyncio.run(scenario())
+
+
+def test_forwarded_for_is_believed_only_from_trusted_proxies() -> None:
+    async def scenario() -> None:
+        api = await build_api(login_failures_per_window=2, trusted_proxies=("10.0.0.0/8",))
+        async with api.http(client=("10.1.2.3", 1000)) as proxy:
+
+            async def attempt(forwarded_for: str, secret: str = "wrong") -> int:
+                response = await proxy.post(
+                    "/request-access-token",
+                    json={"client_id": api.client_id, "client_secret": secret},
+                    headers={"X-Forwarded-For": forwarded_for},
+                )
+                return response.status_code
+
+            # Behind the proxy each caller has its own bucket: the right-most untrusted address counts,
+            # whatever the caller put in front of it.
+            assert [await attempt("203.0.113.7") for _ in range(3)] == [401, 401, 429]
+            assert await attempt("1.1.1.1, 203.0.113.7") == 429
+            assert await attempt("203.0.113.7, 10.9.9.9") == 429  # through a second trusted proxy
+            assert await attempt("203.0.113.7, 198.51.100.20", api.client_secret) == 200
+        async with api.http(client=("192.0.2.1", 1000)) as untrusted:
+            # An untrusted peer's header is ignored: its own address is the source.
+            for _ in range(2):
+                response = await untrusted.post(
+                    "/request-access-token",
+                    json={"client_id": api.client_id, "client_secret": "wrong"},
+                    headers={"X-Forwarded-For": f"198.51.100.{_}"},
+                )
+                assert response.status_code == 401
+            response = await untrusted.post(
+                "/request-access-token",
+                json={"client_id": api.client_id, "client_secret": api.client_secret},
+                headers={"X-Forwarded-For": "198.51.100.99"},
+            )
+            assert response.status_code == 429
 
     asyncio.run(scenario())
 

@@ -11,6 +11,7 @@ import pytest
 from pymilvus.exceptions import MilvusException
 from redis import exceptions as redis_exceptions
 
+from serve_app.api.limits import client_source, parse_networks
 from serve_app.domain.errors import BackendUnavailable, ModelUnavailable, ServiceError
 from serve_app.stores.milvus_gallery import MilvusGalleryStore
 from serve_app.stores.redis_support import to_backend_unavailable
@@ -100,3 +101,20 @@ def test_multipart_parser_text_is_not_echoed() -> None:
         assert "boundary character" not in response.text
 
     asyncio.run(scenario())
+
+
+def test_client_source_takes_the_right_most_untrusted_address() -> None:
+    trusted = parse_networks(["10.0.0.0/8", "fd00::/8"])
+    assert client_source("192.0.2.1", ["198.51.100.1"], trusted) == "192.0.2.1"  # untrusted peer
+    assert client_source("192.0.2.1", ["198.51.100.1"], ()) == "192.0.2.1"  # no trusted proxies
+    assert client_source("10.0.0.1", ["198.51.100.1"], trusted) == "198.51.100.1"
+    assert client_source("10.0.0.1", ["6.6.6.6, 198.51.100.1"], trusted) == "198.51.100.1"
+    assert client_source("10.0.0.1", ["198.51.100.1", "10.0.0.2"], trusted) == "198.51.100.1"
+    assert client_source("10.0.0.1", ["10.0.0.3, 10.0.0.2"], trusted) == "10.0.0.3"  # all trusted
+    assert client_source("10.0.0.1", ["198.51.100.1, not-an-ip"], trusted) == "10.0.0.1"
+    assert client_source("10.0.0.1", [], trusted) == "10.0.0.1"
+    assert client_source("::ffff:192.0.2.1", [], trusted) == "192.0.2.1"
+    # One host can hold a whole IPv6 /64: it is one source.
+    assert client_source("2001:db8:1:2::1", [], ()) == client_source("2001:db8:1:2:ffff::9", [], ())
+    assert client_source("2001:db8:1:2::1", [], ()) != client_source("2001:db8:1:3::1", [], ())
+    assert client_source(None, [], trusted) == client_source("garbage", [], trusted) == "unknown"
