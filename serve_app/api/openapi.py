@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from serve_app.domain.identifiers import CLIENT_ID_PATTERN, REFERENCE_ID_PATTERN
+
 # The field rules below state exactly what serve_app.api.parsing accepts. Flag strings are compared after
 # str.strip() and lower(), and an empty string (or a JSON null) counts as absent; str.strip() also removes
 # \x1c-\x1f and \x85, which \s need not match.
@@ -31,8 +33,19 @@ _CLIENT_REFERENCE = {
 }
 
 
-# The handlers refuse an empty client_id, client_secret or reference_id with 422 ("required").
+# The handlers refuse an empty client_id, client_secret or reference_id with 422 ("required"), and an
+# identifier that is not of the form the service issues with 422 too (serve_app/domain/identifiers.py).
 _NON_EMPTY = {"type": "string", "minLength": 1}
+_CLIENT_ID = {
+    "type": "string",
+    "pattern": CLIENT_ID_PATTERN,
+    "description": "as issued: cl_ and 24 lowercase hex digits",
+}
+_REFERENCE_ID = {
+    "type": "string",
+    "pattern": REFERENCE_ID_PATTERN,
+    "description": "as returned by a create call: 32 lowercase hex digits",
+}
 
 
 def _object(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
@@ -99,7 +112,7 @@ REQUEST_BODIES: dict[str, dict[str, Any]] = {
             "content": {
                 media: {
                     "schema": _object(
-                        {"client_id": _NON_EMPTY, "client_secret": _NON_EMPTY},
+                        {"client_id": _CLIENT_ID, "client_secret": _NON_EMPTY},
                         ["client_id", "client_secret"],
                     )
                 }
@@ -179,7 +192,7 @@ REQUEST_BODIES: dict[str, dict[str, Any]] = {
         "requestBody": {
             "required": True,
             "content": {
-                media: {"schema": _object({"reference_id": _NON_EMPTY}, ["reference_id"])}
+                media: {"schema": _object({"reference_id": _REFERENCE_ID}, ["reference_id"])}
                 for media in ("application/json", "application/x-www-form-urlencoded")
             },
         },
@@ -208,7 +221,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         "content": {"application/json": {"schema": ERROR_ENVELOPE}},
     },
     "503": {
-        "description": "Redis, Milvus or a model is unavailable; retry later",
+        "description": "Redis, Milvus or a model is unavailable; retry later. The message is fixed: what "
+        "the backend said goes to the service log only",
         "content": {"application/json": {"schema": ERROR_ENVELOPE}},
     },
 }
@@ -256,6 +270,7 @@ _FACE_DATA = _object(
     ["service_reference_id", "client_reference", "face_search_response"],
 )
 _RETRY_AFTER = {"description": "Seconds before polling again", "schema": {"type": "integer"}}
+_RETRY_LATER = {"description": "Seconds before trying again", "schema": {"type": "integer"}}
 _PREFERENCE_APPLIED = {
     "description": "`wait=<seconds>` when the request's `Prefer: wait` was honoured (long polling)",
     "schema": {"type": "string"},
@@ -297,7 +312,14 @@ RESPONSES: dict[str, dict[int | str, dict[str, Any]]] = {
                 }
             },
         },
-        **{code: _ERRORS[code] for code in ("415", "422", "401", "429", "503")},
+        **{code: _ERRORS[code] for code in ("415", "422", "401", "503")},
+        "429": {
+            "description": "Too many failed logins for this client_id from this address (each attempt past "
+            "the allowance waits twice as long as the one before), or too many unauthenticated requests "
+            "from this address; see Retry-After",
+            "headers": {"Retry-After": _RETRY_LATER},
+            "content": {"application/json": {"schema": ERROR_ENVELOPE}},
+        },
     },
     "create": {
         200: {
@@ -360,6 +382,12 @@ RESPONSES: dict[str, dict[int | str, dict[str, Any]]] = {
         },
         410: {
             "description": "The proof URL expired (15 minutes after issue)",
+            "content": {"application/json": {"schema": ERROR_ENVELOPE}},
+        },
+        429: {
+            "description": "Too many invalid proof URLs, failed logins or failed credentials from this "
+            "address; see Retry-After",
+            "headers": {"Retry-After": _RETRY_LATER},
             "content": {"application/json": {"schema": ERROR_ENVELOPE}},
         },
     },

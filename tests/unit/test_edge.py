@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ from redis import exceptions as redis_exceptions
 
 from serve_app.api.limits import client_source, parse_networks
 from serve_app.domain.errors import BackendUnavailable, ModelUnavailable, ServiceError
+from serve_app.domain.identifiers import new_client_id, new_reference_id
 from serve_app.stores.milvus_gallery import MilvusGalleryStore
 from serve_app.stores.redis_support import to_backend_unavailable
 from tests.backend_text import assert_no_backend_text
@@ -118,3 +120,23 @@ def test_client_source_takes_the_right_most_untrusted_address() -> None:
     assert client_source("2001:db8:1:2::1", [], ()) == client_source("2001:db8:1:2:ffff::9", [], ())
     assert client_source("2001:db8:1:2::1", [], ()) != client_source("2001:db8:1:3::1", [], ())
     assert client_source(None, [], trusted) == client_source("garbage", [], trusted) == "unknown"
+
+
+def test_openapi_states_the_identifier_forms_and_the_login_429() -> None:
+    async def scenario() -> dict[str, Any]:
+        api = await build_api()
+        async with api.http() as http:
+            return dict((await http.get("/openapi.json")).json())
+
+    paths = asyncio.run(scenario())["paths"]
+    result_body = paths["/result"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    token_body = paths["/request-access-token"]["post"]["requestBody"]["content"]["application/json"][
+        "schema"
+    ]
+    reference_pattern = result_body["properties"]["reference_id"]["pattern"]
+    client_pattern = token_body["properties"]["client_id"]["pattern"]
+    assert re.fullmatch(reference_pattern.strip("^$"), new_reference_id())
+    assert not re.fullmatch(reference_pattern.strip("^$"), "counts")
+    assert re.fullmatch(client_pattern.strip("^$"), new_client_id())
+    assert "429" in paths["/request-access-token"]["post"]["responses"]
+    assert "429" in paths["/get-proof/{proof_token}"]["get"]["responses"]
