@@ -7,7 +7,8 @@ one by one (each loads only what it needs from ModelConfig):
     FaceCropper(image, faces)     landmarks once per face, descriptor   ModelConfig.load_cropper()
                                   and age chips (CPU, dlib)
     infer(crops of many images)   one descriptor run, one age run       load_embedder(), load_age_estimator()
-    assemble(faces, results)      AnalyzedFace lists
+    assemble(faces, results,      AnalyzedFace lists (quality is measured by the cropper for every face)
+             qualities)
 
 Every stage takes and returns numpy arrays and frozen dataclasses, so they pickle across processes.
 """
@@ -40,8 +41,9 @@ from models.convert import CHIP_SIZE as DESCRIPTOR_CHIP_SIZE
 from models.convert import ensure_descriptor_model
 from models.detector import DetectorOptions, FaceDetector, LetterboxedImage, letterbox
 from models.embedder import FaceEmbedder
+from models.quality import DEFAULT_QUALITY_THRESHOLDS, QualityThresholds, assess_image_faces
 from models.sessions import DEFAULT_PROVIDER_PREFERENCE, SessionOptions
-from models.types import AgeEstimate, AnalyzedFace, DetectedFace
+from models.types import AgeEstimate, AnalyzedFace, DetectedFace, FaceQuality
 from models.weights import resolve
 
 logger = logging.getLogger(__name__)
@@ -115,6 +117,7 @@ class FaceCrops:
 
     descriptor_chips: np.ndarray | None  # uint8 [F, 150, 150, 3] RGB
     age_chips: np.ndarray | None  # uint8 [F, V, 64, 64, 3] RGB, V = AGE_VIEWS_PER_FACE
+    qualities: tuple[FaceQuality, ...] = ()  # one per face, always measured (models.quality)
 
     @property
     def n_faces(self) -> int:
@@ -135,8 +138,11 @@ class FaceResults:
 class FaceCropper:
     """Landmarks once per face, then the descriptor chips and the age views cut from the same shapes."""
 
-    def __init__(self, aligner: FaceAligner) -> None:
+    def __init__(
+        self, aligner: FaceAligner, quality_thresholds: QualityThresholds = DEFAULT_QUALITY_THRESHOLDS
+    ) -> None:
         self.aligner = aligner
+        self.quality_thresholds = quality_thresholds
 
     def __call__(
         self,
@@ -146,6 +152,7 @@ class FaceCropper:
         estimate_age: bool = True,
     ) -> FaceCrops:
         rgb = to_rgb(image)
+        qualities = tuple(assess_image_faces(rgb, list(faces), self.quality_thresholds))
         shapes = self.aligner.shapes(rgb, list(faces)) if faces and (embed or estimate_age) else []
         descriptor_chips = None
         if embed:
@@ -154,7 +161,7 @@ class FaceCropper:
         if estimate_age:
             per_padding = [self._chips(rgb, shapes, AGE_CHIP_SIZE, pad) for pad in AGE_CHIP_PADDINGS]
             age_chips = age_chip_views(per_padding, mirror=AGE_CHIP_MIRROR)
-        return FaceCrops(descriptor_chips=descriptor_chips, age_chips=age_chips)
+        return FaceCrops(descriptor_chips=descriptor_chips, age_chips=age_chips, qualities=qualities)
 
     def _chips(self, rgb: np.ndarray, shapes: Sequence[Any], size: int, padding: float) -> np.ndarray:
         if not shapes:
@@ -223,7 +230,11 @@ class FaceAnalyzer:
         ]
 
     @staticmethod
-    def assemble(faces: Sequence[DetectedFace], results: FaceResults) -> list[AnalyzedFace]:
+    def assemble(
+        faces: Sequence[DetectedFace], results: FaceResults, qualities: Sequence[FaceQuality] = ()
+    ) -> list[AnalyzedFace]:
+        if qualities and len(qualities) != len(faces):
+            raise ValueError(f"{len(faces)} faces but {len(qualities)} quality measurements")
         for name, values in (("embeddings", results.embeddings), ("ages", results.ages)):
             if values is not None and len(values) != len(faces):
                 raise ValueError(f"{len(faces)} faces but {len(values)} {name}")
@@ -232,6 +243,7 @@ class FaceAnalyzer:
                 detection=face,
                 embedding=results.embeddings[i] if results.embeddings is not None else None,
                 age=results.ages[i] if results.ages is not None else None,
+                quality=qualities[i] if qualities else None,
             )
             for i, face in enumerate(faces)
         ]
@@ -247,7 +259,10 @@ class FaceAnalyzer:
             for image, faces in zip(rgb, detections, strict=True)
         ]
         results = self.infer(crops)
-        return [self.assemble(faces, result) for faces, result in zip(detections, results, strict=True)]
+        return [
+            self.assemble(faces, result, crop.qualities)
+            for faces, result, crop in zip(detections, results, crops, strict=True)
+        ]
 
     def check(self) -> None:
         """Health check: one tiny run through every model; raises whatever a broken session raises."""

@@ -54,6 +54,7 @@ class SplitAnalysis:
                 detection=face,
                 embedding=None if embeddings is None else np.asarray(embeddings[index], dtype=np.float32),
                 age=None if ages is None else ages[index],
+                quality=crops.qualities[index] if crops.qualities else None,
             )
             for index, face in enumerate(faces)
         ]

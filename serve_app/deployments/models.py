@@ -53,6 +53,7 @@ def _strip(face: AnalyzedFace, request: AnalysisRequest) -> AnalyzedFace:
         detection=face.detection,
         embedding=face.embedding if request.embed else None,
         age=face.age if request.estimate_age else None,
+        quality=face.quality,
     )
 
 

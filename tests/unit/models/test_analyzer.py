@@ -229,3 +229,14 @@ def test_model_config_from_dict() -> None:
     assert ModelConfig.from_dict({}) == ModelConfig()
     with pytest.raises(ValueError, match="unknown model_config keys"):
         ModelConfig.from_dict({"intra_op_thread": 2})
+
+
+def test_every_detected_face_carries_its_quality(analyzer: FaceAnalyzer, rgb_photo: np.ndarray) -> None:
+    for embed, estimate_age in ((True, False), (False, True), (False, False)):
+        faces = analyzer.analyze([rgb_photo], embed=embed, estimate_age=estimate_age)[0]
+        assert faces
+        for face in faces:
+            assert face.quality is not None
+            assert face.quality.face_size_px > 0 and face.quality.sharpness > 0
+    probe = largest_face(analyzer.analyze([rgb_photo], embed=False, estimate_age=False)[0])
+    assert probe is not None and probe.quality is not None and probe.quality.enrol_ok
