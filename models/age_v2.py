@@ -150,7 +150,7 @@ class AgeBands:
 
 @dataclass(frozen=True)
 class AgeCalibration:
-    """A monotone piecewise-linear correction of the raw estimate (flat beyond the end knots) and the bands."""
+    """Monotone piecewise-linear correction of the raw estimate (flat beyond the end knots) and the bands."""
 
     raw_knots: tuple[float, ...]
     corrected_knots: tuple[float, ...]

