@@ -260,7 +260,11 @@ class _Converter:
             elif op == "Relu6":
                 out = self.emit(
                     "Clip",
-                    [out, self.add_constant("zero", np.float32(0)), self.add_constant("six", np.float32(6))],
+                    [
+                        out,
+                        self.add_constant("zero", np.array(0, dtype=np.float32)),
+                        self.add_constant("six", np.array(6, dtype=np.float32)),
+                    ],
                     "relu6",
                 )
             else:
@@ -375,7 +379,11 @@ class _Converter:
         x, rank = self.value(node.inputs[0])
         clipped = self.emit(
             "Clip",
-            [x, self.add_constant("zero", np.float32(0)), self.add_constant("six", np.float32(6))],
+            [
+                x,
+                self.add_constant("zero", np.array(0, dtype=np.float32)),
+                self.add_constant("six", np.array(6, dtype=np.float32)),
+            ],
             "relu6",
         )
         self.values[node.name] = (clipped, rank)
