@@ -231,7 +231,9 @@ def band_table(rows: list[tuple[str, np.ndarray, np.ndarray, np.ndarray, np.ndar
                 continue
             error = estimates[sel] - ages[sel]
             shares = [
-                f"{100 * np.mean(flags[sel] == value):.0f}" for flags in (u18, u21) for value in (0, 50, 100)
+                f"{100 * np.mean(flags[sel] == value):.0f}" if (flags[sel] >= 0).all() else "-"
+                for flags in (u18, u21)
+                for value in (0, 50, 100)
             ]
             table.append(
                 [
@@ -345,6 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         corrected = np.array([np.nan if np.isnan(r) else calibration.correct(r) for r in raw])
         u18 = np.array([-1 if np.isnan(c) else bands.under_18(c) for c in corrected])
         u21 = np.array([-1 if np.isnan(c) else bands.under_21(c) for c in corrected])
+        no_flags = np.full(len(raw), -1)
+        rows.append((f"age-v2 uncorrected / {photos.name}", photos.ages, raw, no_flags, no_flags))
         rows.append((f"age-v2 bands only / {photos.name}", photos.ages, corrected, u18, u21))
         # The service's safety rules: a 0 becomes 50 with several comparable faces or a failed quality gate.
         checks = subject_checks(photos, detector)
