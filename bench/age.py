@@ -284,7 +284,7 @@ def ms_per_face(estimator: age_v2.FaceresAgeEstimator, v1: AgeEstimator, batch: 
     views1 = rng.integers(0, 256, (batch, 2, 64, 64, 3), dtype=np.uint8)
     for label, function, views in (
         ("age-v1 (2 views of 64 px)", v1.estimate, views1),
-        (f"age-v2 faceres-deep ({age_v2.VIEWS_PER_FACE} views of 224 px)", estimator.estimate, views2),
+        (f"age-v2 faceres-deep ({age_v2.VIEWS_PER_FACE} view(s) of 224 px)", estimator.estimate, views2),
     ):
         function(views)
         best = min(_timed(function, views) for _ in range(3))

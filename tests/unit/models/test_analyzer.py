@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
+from models.age_v2 import VIEWS_PER_FACE as AGE_VIEWS
 from models.age_v2 import AgeBands
 from models.analyzer import (
     FaceAnalyzer,
@@ -185,7 +186,7 @@ def test_stages_compose_to_analyze(faces_dev: FacesDev, analyzer: FaceAnalyzer) 
         np.testing.assert_allclose(a.embedding, b.embedding, atol=1e-4)
     assert crops[-1].n_faces == 0
     assert crops[-1].descriptor_chips is not None and crops[-1].descriptor_chips.shape == (0, 150, 150, 3)
-    assert crops[0].age_views is not None and crops[0].age_views.shape[1:] == (2, 224, 224, 3)
+    assert crops[0].age_views is not None and crops[0].age_views.shape[1:] == (AGE_VIEWS, 224, 224, 3)
     # Group photo: one set of age views, for the largest face only.
     assert len(crops[0].age_views) == 1 and crops[0].age_faces == (subject_index(detections[0]),)
     assert crops[-1].age_views is not None and crops[-1].age_views.shape[0] == 0 and crops[-1].age_faces == ()
