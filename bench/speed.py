@@ -90,7 +90,7 @@ def time_models(
     detections = analyzer.detect(images)
     crops = [analyzer.align_and_crop(image, found) for image, found in zip(images, detections, strict=True)]
     descriptor_chips = np.concatenate([c.descriptor_chips for c in crops if c.descriptor_chips is not None])
-    age_chips = np.concatenate([c.age_chips for c in crops if c.age_chips is not None])
+    age_chips = np.concatenate([c.age_views for c in crops if c.age_views is not None])
     for batch in BATCH_SIZES:
         seconds = best_seconds(analyzer.embedder.embed, tile_to(descriptor_chips, batch), repeats)
         rows.append((f"descriptor, batch {batch}, ms/face", f"{1000 * seconds / batch:.2f}"))

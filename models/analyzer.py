@@ -5,9 +5,11 @@ one by one (each loads only what it needs from ModelConfig):
 
     detect(images)                one detector batch for all images     ModelConfig.load_detector()
     FaceCropper(image, faces)     landmarks once per face, descriptor   ModelConfig.load_cropper()
-                                  and age chips (CPU, dlib)
+                                  chips (CPU, dlib); age views of the
+                                  subject cut from its detector box
     infer(crops of many images)   one descriptor run, one age run       load_embedder(), load_age_estimator()
-    assemble(faces, results)      AnalyzedFace lists
+    assemble(faces, results,      AnalyzedFace lists (quality is measured by the cropper for every face)
+             qualities)
 
 Every stage takes and returns numpy arrays and frozen dataclasses, so they pickle across processes.
 """
@@ -24,15 +26,14 @@ from typing import Any, Literal, TypeVar
 
 import numpy as np
 
-from models.age import (
-    AGE_CHIP_MIRROR,
-    AGE_CHIP_PADDINGS,
-    AGE_CHIP_SIZE,
-    AGE_VIEWS_PER_FACE,
-    DEFAULT_MINOR_POLICY,
-    AgeEstimator,
-    MinorPolicy,
-    age_chip_views,
+from models.age_v2 import INPUT_SIZE as AGE_INPUT_SIZE
+from models.age_v2 import VIEWS_PER_FACE as AGE_VIEWS_PER_FACE
+from models.age_v2 import (
+    AgeBands,
+    AgeCalibration,
+    FaceresAgeEstimator,
+    ensure_faceres_model,
+    face_views,
 )
 from models.align import FaceAligner
 from models.arrays import to_rgb
@@ -40,8 +41,9 @@ from models.convert import CHIP_SIZE as DESCRIPTOR_CHIP_SIZE
 from models.convert import ensure_descriptor_model
 from models.detector import DetectorOptions, FaceDetector, LetterboxedImage, letterbox
 from models.embedder import FaceEmbedder
+from models.quality import DEFAULT_QUALITY_THRESHOLDS, QualityThresholds, assess_image_faces
 from models.sessions import DEFAULT_PROVIDER_PREFERENCE, SessionOptions
-from models.types import AgeEstimate, AnalyzedFace, DetectedFace
+from models.types import AgeEstimate, AnalyzedFace, DetectedFace, FaceQuality
 from models.weights import resolve
 
 logger = logging.getLogger(__name__)
@@ -63,12 +65,13 @@ class ModelConfig:
     provider_preference: tuple[str, ...] | None = None
     allow_cpu_fallback: bool = False
     detector: DetectorOptions = field(default_factory=DetectorOptions)
-    minor_policy: MinorPolicy = DEFAULT_MINOR_POLICY
+    # None: the bands calibrated on faces-calib (models/age_calibration.json); a mapping overrides them.
+    age_bands: AgeBands | None = None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
-        """From a config file's `model_config` mapping; nested `detector` / `minor_policy` mappings hold the
-        fields of DetectorOptions / MinorPolicy. Unknown keys are an error, not silently ignored."""
+        """From a config file's `model_config` mapping; nested `detector` / `age_bands` mappings hold the
+        fields of DetectorOptions / AgeBands. Unknown keys are an error, not silently ignored."""
         known = {item.name for item in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -80,8 +83,8 @@ class ModelConfig:
             values["provider_preference"] = tuple(values["provider_preference"])
         if isinstance(values.get("detector"), Mapping):
             values["detector"] = DetectorOptions(**values["detector"])
-        if isinstance(values.get("minor_policy"), Mapping):
-            values["minor_policy"] = MinorPolicy(**values["minor_policy"])
+        if isinstance(values.get("age_bands"), Mapping):
+            values["age_bands"] = AgeBands(**values["age_bands"])
         return cls(**values)
 
     def session_options(self) -> SessionOptions:
@@ -108,8 +111,12 @@ class ModelConfig:
     def load_embedder(self) -> FaceEmbedder:
         return FaceEmbedder(ensure_descriptor_model(self.models_dir), self.session_options())
 
-    def load_age_estimator(self) -> AgeEstimator:
-        return AgeEstimator(resolve("age_v1"), self.session_options(), self.minor_policy)
+    def load_age_estimator(self) -> FaceresAgeEstimator:
+        """age-v2 (faceres-deep); fetches and converts it on first use if install did not."""
+        calibration = AgeCalibration.load()
+        if self.age_bands is not None:
+            calibration = dataclasses.replace(calibration, bands=self.age_bands)
+        return FaceresAgeEstimator(ensure_faceres_model(self.models_dir), self.session_options(), calibration)
 
     def letterboxer(self) -> Callable[[np.ndarray], LetterboxedImage]:
         """The detector's image preparation, for a process that sends letterboxed images to a detector
@@ -123,14 +130,17 @@ class FaceCrops:
     """Aligned chips for the faces of one image, in detection order; None where the stage was not asked."""
 
     descriptor_chips: np.ndarray | None  # uint8 [F, 150, 150, 3] RGB
-    age_chips: np.ndarray | None  # uint8 [F, V, 64, 64, 3] RGB, V = AGE_VIEWS_PER_FACE
+    # Age runs on the subject only (the largest face, see subject_index): uint8 [K, V, 224, 224, 3] RGB views
+    # of the faces listed in age_faces (K = 0 or 1), V = AGE_VIEWS_PER_FACE.
+    age_views: np.ndarray | None
+    qualities: tuple[FaceQuality, ...] = ()  # one per face, always measured (models.quality)
+    age_faces: tuple[int, ...] = ()  # indices (detection order) of the faces in age_views
 
     @property
     def n_faces(self) -> int:
-        for chips in (self.descriptor_chips, self.age_chips):
-            if chips is not None:
-                return int(chips.shape[0])
-        return 0
+        if self.descriptor_chips is not None:
+            return int(self.descriptor_chips.shape[0])
+        return len(self.qualities)
 
 
 @dataclass(frozen=True)
@@ -138,14 +148,18 @@ class FaceResults:
     """Model outputs for the faces of one image, in detection order; None where not asked."""
 
     embeddings: np.ndarray | None  # float32 [F, 128]
-    ages: list[AgeEstimate] | None
+    ages: list[AgeEstimate] | None  # one per index in age_faces
+    age_faces: tuple[int, ...] = ()
 
 
 class FaceCropper:
-    """Landmarks once per face, then the descriptor chips and the age views cut from the same shapes."""
+    """Landmarks once per face for the descriptor chips; the subject's age views from its detector box."""
 
-    def __init__(self, aligner: FaceAligner) -> None:
+    def __init__(
+        self, aligner: FaceAligner, quality_thresholds: QualityThresholds = DEFAULT_QUALITY_THRESHOLDS
+    ) -> None:
         self.aligner = aligner
+        self.quality_thresholds = quality_thresholds
 
     def __call__(
         self,
@@ -155,20 +169,36 @@ class FaceCropper:
         estimate_age: bool = True,
     ) -> FaceCrops:
         rgb = to_rgb(image)
-        shapes = self.aligner.shapes(rgb, list(faces)) if faces and (embed or estimate_age) else []
+        qualities = tuple(assess_image_faces(rgb, list(faces), self.quality_thresholds))
+        # Age crops come from the detector box, so landmarks are needed only for the descriptor.
+        shapes = self.aligner.shapes(rgb, list(faces)) if faces and embed else []
         descriptor_chips = None
         if embed:
             descriptor_chips = self._chips(rgb, shapes, DESCRIPTOR_CHIP_SIZE, DESCRIPTOR_CHIP_PADDING)
-        age_chips = None
+        age_views = None
+        age_faces: tuple[int, ...] = ()
         if estimate_age:
-            per_padding = [self._chips(rgb, shapes, AGE_CHIP_SIZE, pad) for pad in AGE_CHIP_PADDINGS]
-            age_chips = age_chip_views(per_padding, mirror=AGE_CHIP_MIRROR)
-        return FaceCrops(descriptor_chips=descriptor_chips, age_chips=age_chips)
+            subject = subject_index(faces)
+            age_faces = () if subject is None else (subject,)
+            age_views = face_views(rgb, [faces[i].box for i in age_faces])
+        return FaceCrops(
+            descriptor_chips=descriptor_chips,
+            age_views=age_views,
+            qualities=qualities,
+            age_faces=age_faces,
+        )
 
     def _chips(self, rgb: np.ndarray, shapes: Sequence[Any], size: int, padding: float) -> np.ndarray:
         if not shapes:
             return np.zeros((0, size, size, 3), dtype=np.uint8)
         return self.aligner.chips(rgb, list(shapes), size, padding)
+
+
+def subject_index(faces: Sequence[DetectedFace]) -> int | None:
+    """Index of the largest box (the first of equals): the face whose age the service reports."""
+    if not faces:
+        return None
+    return max(range(len(faces)), key=lambda i: faces[i].area)
 
 
 def largest_face(faces: Sequence[AnalyzedFace]) -> AnalyzedFace | None:
@@ -193,7 +223,7 @@ class FaceAnalyzer:
         detector: FaceDetector,
         cropper: FaceCropper,
         embedder: FaceEmbedder,
-        age_estimator: AgeEstimator,
+        age_estimator: FaceresAgeEstimator,
     ) -> None:
         self.detector = detector
         self.cropper = cropper
@@ -212,7 +242,7 @@ class FaceAnalyzer:
     def infer(self, crops: Sequence[FaceCrops]) -> list[FaceResults]:
         """Descriptors and ages for the crops of many images: one embed run and one age run in all."""
         descriptor_sets = [c.descriptor_chips for c in crops if c.descriptor_chips is not None]
-        age_sets = [c.age_chips for c in crops if c.age_chips is not None]
+        age_sets = [c.age_views for c in crops if c.age_views is not None]
         embeddings: list[np.ndarray] = []
         if descriptor_sets:
             descriptors = self.embedder.embed(np.concatenate(descriptor_sets))
@@ -226,21 +256,33 @@ class FaceAnalyzer:
         return [
             FaceResults(
                 embeddings=next(embedding_chunks) if c.descriptor_chips is not None else None,
-                ages=next(age_chunks) if c.age_chips is not None else None,
+                ages=next(age_chunks) if c.age_views is not None else None,
+                age_faces=c.age_faces,
             )
             for c in crops
         ]
 
     @staticmethod
-    def assemble(faces: Sequence[DetectedFace], results: FaceResults) -> list[AnalyzedFace]:
-        for name, values in (("embeddings", results.embeddings), ("ages", results.ages)):
-            if values is not None and len(values) != len(faces):
-                raise ValueError(f"{len(faces)} faces but {len(values)} {name}")
+    def assemble(
+        faces: Sequence[DetectedFace], results: FaceResults, qualities: Sequence[FaceQuality] = ()
+    ) -> list[AnalyzedFace]:
+        if qualities and len(qualities) != len(faces):
+            raise ValueError(f"{len(faces)} faces but {len(qualities)} quality measurements")
+        if results.embeddings is not None and len(results.embeddings) != len(faces):
+            raise ValueError(f"{len(faces)} faces but {len(results.embeddings)} embeddings")
+        ages: dict[int, AgeEstimate] = {}
+        if results.ages is not None:
+            if len(results.ages) != len(results.age_faces) or not all(
+                0 <= i < len(faces) for i in results.age_faces
+            ):
+                raise ValueError(f"{len(results.ages)} ages for faces {results.age_faces} of {len(faces)}")
+            ages = dict(zip(results.age_faces, results.ages, strict=True))
         return [
             AnalyzedFace(
                 detection=face,
                 embedding=results.embeddings[i] if results.embeddings is not None else None,
-                age=results.ages[i] if results.ages is not None else None,
+                age=ages.get(i),
+                quality=qualities[i] if qualities else None,
             )
             for i, face in enumerate(faces)
         ]
@@ -256,14 +298,17 @@ class FaceAnalyzer:
             for image, faces in zip(rgb, detections, strict=True)
         ]
         results = self.infer(crops)
-        return [self.assemble(faces, result) for faces, result in zip(detections, results, strict=True)]
+        return [
+            self.assemble(faces, result, crop.qualities)
+            for faces, result, crop in zip(detections, results, crops, strict=True)
+        ]
 
     def check(self) -> None:
         """Health check: one tiny run through every model; raises whatever a broken session raises."""
         blank = np.zeros((64, 64, 3), dtype=np.uint8)
         self.detector.detect([blank])
         self.embedder.embed(np.zeros((1, DESCRIPTOR_CHIP_SIZE, DESCRIPTOR_CHIP_SIZE, 3), dtype=np.uint8))
-        views = np.zeros((1, AGE_VIEWS_PER_FACE, AGE_CHIP_SIZE, AGE_CHIP_SIZE, 3), dtype=np.uint8)
+        views = np.zeros((1, AGE_VIEWS_PER_FACE, AGE_INPUT_SIZE, AGE_INPUT_SIZE, 3), dtype=np.uint8)
         self.age_estimator.estimate(views)
 
 

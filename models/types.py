@@ -31,7 +31,23 @@ class AgeEstimate:
 
 
 @dataclass(frozen=True)
+class FaceQuality:
+    """Measured quality of one face and the two gates (computed in models.quality)."""
+
+    face_size_px: float
+    detector_score: float
+    sharpness: float
+    yaw: float
+    pitch: float
+    roll_deg: float
+    enrol_ok: bool  # meets the enrolment bar (implies search_ok)
+    search_ok: bool  # meets the search bar
+    reasons: tuple[str, ...]  # why the enrolment bar was missed (empty when enrol_ok), stable codes
+
+
+@dataclass(frozen=True)
 class AnalyzedFace:
     detection: DetectedFace
-    embedding: np.ndarray | None  # float32 [128], dlib descriptor (not L2-normalised)
+    embedding: np.ndarray | None  # float32 [D], the face descriptor of models.embedder.MODEL_VERSION
     age: AgeEstimate | None
+    quality: FaceQuality | None = None  # filled by the analyzer for every detected face

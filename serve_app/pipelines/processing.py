@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from models.age_policy import subject_age
 from models.analyzer import largest_face
 from models.scoring import distance_from_score, score_from_distance
 from models.types import AnalyzedFace
@@ -126,15 +127,17 @@ class TransactionProcessor:
     async def _age_estimation(self, tx: Transaction, image: Any) -> dict[str, Any]:
         faces = await self._analysis.analyze(image, embed=tx.enroll_face, estimate_age=True)
         subject = largest_face(faces)
-        if subject is None or subject.age is None:
+        # The flags follow the safety rules of models.age_policy (several comparable faces, quality gate).
+        age = subject_age(faces)
+        if subject is None or age is None:
             return {"age": None, "under_18": None, "under_21": None, "_enrolled": False}
         enrolled = False
         if tx.enroll_face and subject.embedding is not None:
             enrolled = await self._enroll(tx, subject)
         return {
-            "age": subject.age.age,
-            "under_18": subject.age.under_18,
-            "under_21": subject.age.under_21,
+            "age": age.age,
+            "under_18": age.under_18,
+            "under_21": age.under_21,
             "_enrolled": enrolled,
         }
 

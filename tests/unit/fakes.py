@@ -40,7 +40,7 @@ import httpx
 import numpy as np
 from PIL import Image
 
-from models.types import AgeEstimate, AnalyzedFace, DetectedFace
+from models.types import AgeEstimate, AnalyzedFace, DetectedFace, FaceQuality
 from serve_app.api.app import ApiServices, create_app
 from serve_app.api.limits import parse_networks
 from serve_app.api.tokens import TokenSigner
@@ -582,14 +582,38 @@ def age_estimate(age: int) -> AgeEstimate:
     )
 
 
-def face(vector: np.ndarray | None = None, age: int | None = None, size: float = 100.0) -> AnalyzedFace:
+def face(
+    vector: np.ndarray | None = None,
+    age: int | None = None,
+    size: float = 100.0,
+    quality: FaceQuality | None = None,
+    x: float = 10.0,
+) -> AnalyzedFace:
     detection = DetectedFace(
-        box=np.array([10.0, 10.0, 10.0 + size, 10.0 + size], dtype=np.float32),
+        box=np.array([x, 10.0, x + size, 10.0 + size], dtype=np.float32),
         landmarks=np.zeros((5, 2), dtype=np.float32),
         score=0.99,
     )
     return AnalyzedFace(
-        detection=detection, embedding=vector, age=age_estimate(age) if age is not None else None
+        detection=detection,
+        embedding=vector,
+        age=age_estimate(age) if age is not None else None,
+        quality=quality,
+    )
+
+
+def face_quality(ok: bool = True) -> FaceQuality:
+    """A quality verdict for fake faces: passing both bars, or failing both for blur."""
+    return FaceQuality(
+        face_size_px=100.0,
+        detector_score=0.99,
+        sharpness=120.0 if ok else 5.0,
+        yaw=0.0,
+        pitch=0.5,
+        roll_deg=0.0,
+        enrol_ok=ok,
+        search_ok=ok,
+        reasons=() if ok else ("blurry",),
     )
 
 
@@ -625,6 +649,7 @@ class ScriptedAnalysis:
                 detection=item.detection,
                 embedding=item.embedding if embed else None,
                 age=item.age if estimate_age else None,
+                quality=item.quality,
             )
             for item in faces
         ]

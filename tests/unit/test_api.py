@@ -13,7 +13,7 @@ import pytest
 from serve_app.domain.transactions import TransactionKind, TransactionState
 from serve_app.pipelines.processing import enrolled_face_id
 from serve_app.pipelines.worker import QueueWorker, WorkerPolicy
-from tests.unit.fakes import Api, Color, World, build_api, embedding, face, solid_png
+from tests.unit.fakes import Api, Color, World, build_api, embedding, face, face_quality, solid_png
 
 RED: Color = (200, 30, 30)
 GREEN: Color = (30, 200, 30)
@@ -284,7 +284,7 @@ def test_another_tenants_reference_id_is_422_exactly_like_an_unknown_one() -> No
 async def api_with_worker_for_a_34_year_old() -> tuple[World, Api, QueueWorker]:
     """An API whose GREEN uploads show one face of age 34, and a (not yet running) worker to finalise them."""
     world = World()
-    world.analysis.faces_by_color[GREEN] = [face(embedding(2), age=34)]
+    world.analysis.faces_by_color[GREEN] = [face(embedding(2), age=34, quality=face_quality(True))]
     api = await build_api(world, wait_for_result_timeout_s=5.0)
     policy = WorkerPolicy(concurrency=2, claim_block_ms=5, reclaim_every_s=0.05, backoff_s=0.01)
     return world, api, QueueWorker("worker-1", world.queue, world.processor(), policy)

