@@ -575,16 +575,12 @@ def test_gallery_add_search_isolation_delete(servers: EmbeddedServices) -> None:
         store = gallery(servers)
         rng = np.random.default_rng(7)
         try:
-            tricky = 'he said "hi" \\ and \'bye\' \\" ) or tenant_id != "'
-            a = [GalleryEntry(uuid.uuid4().hex, "tenant-a", ref, "v1", vector(rng), time.time())
-                 for ref in (tricky, None, "plain")]  # fmt: skip
-            b = [
-                GalleryEntry(uuid.uuid4().hex, "tenant-b", "plain", "v1", a[0].embedding.copy(), time.time())
-            ]
+            a = [GalleryEntry(uuid.uuid4().hex, "tenant-a", "v1", vector(rng), time.time()) for _ in range(3)]
+            b = [GalleryEntry(uuid.uuid4().hex, "tenant-b", "v1", a[0].embedding.copy(), time.time())]
             await store.add(a[:1])
             # Visible to the very next search (Strong consistency).
             first = await store.search("tenant-a", a[0].embedding, 5, 0.6)
-            assert [(m.face_id, m.client_reference) for m in first] == [(a[0].face_id, tricky)]
+            assert [m.face_id for m in first] == [a[0].face_id]
             assert first[0].distance == pytest.approx(0.0, abs=1e-3)
 
             await store.add(a[1:] + b)
@@ -595,7 +591,6 @@ def test_gallery_add_search_isolation_delete(servers: EmbeddedServices) -> None:
             matches = await store.search("tenant-a", probe, 10, 100.0)
             assert matches[0].face_id == a[1].face_id
             assert {m.face_id for m in matches} == {e.face_id for e in a}  # never tenant-b's twin
-            assert matches[0].client_reference is None
             expected = float(np.linalg.norm(probe - a[1].embedding))
             assert matches[0].distance == pytest.approx(expected, rel=1e-3)  # Euclidean, not squared
             assert [m.distance for m in matches] == sorted(m.distance for m in matches)
@@ -615,7 +610,40 @@ def test_gallery_add_search_isolation_delete(servers: EmbeddedServices) -> None:
             with pytest.raises(ValueError):
                 await store.search('tenant-a" or tenant_id != "x', probe, 10, 100.0)
             with pytest.raises(ValueError):
-                await store.add([GalleryEntry("f", "tenant-a", None, "v1", np.zeros(64, np.float32), 0.0)])
+                await store.add([GalleryEntry("f", "tenant-a", "v1", np.zeros(64, np.float32), 0.0)])
+        finally:
+            await store.close()
+
+    run(scenario)
+
+
+def test_gallery_keeps_working_on_a_collection_with_the_old_reference_column(
+    servers: EmbeddedServices,
+) -> None:
+    """Collections created before client_reference moved to Redis have a VARCHAR(256) column for it; the
+    store fills it with "" so those collections keep accepting rows without a migration."""
+    from pymilvus import DataType, MilvusClient
+
+    name = f"faces_{uuid.uuid4().hex[:8]}"
+    admin = MilvusClient(uri=str(servers.milvus_uri))
+    schema = admin.create_schema(auto_id=False, enable_dynamic_field=False)
+    schema.add_field("face_id", DataType.VARCHAR, max_length=64, is_primary=True)
+    schema.add_field("tenant_id", DataType.VARCHAR, max_length=64)
+    schema.add_field("client_reference", DataType.VARCHAR, max_length=256)
+    schema.add_field("model_version", DataType.VARCHAR, max_length=64)
+    schema.add_field("created_at", DataType.INT64)
+    schema.add_field("embedding", DataType.FLOAT_VECTOR, dim=128)
+    index_params = admin.prepare_index_params()
+    index_params.add_index(field_name="embedding", index_type="FLAT", metric_type="L2")
+    admin.create_collection(name, schema=schema, index_params=index_params, consistency_level="Strong")
+    admin.close()
+
+    async def scenario() -> None:
+        store = MilvusGalleryStore(str(servers.milvus_uri), collection=name)
+        entry = GalleryEntry("face-1", "tenant-a", "v1", vector(np.random.default_rng(3)), time.time())
+        try:
+            await store.add([entry])
+            assert [m.face_id for m in await store.search("tenant-a", entry.embedding, 5, 0.6)] == ["face-1"]
         finally:
             await store.close()
 
@@ -629,9 +657,7 @@ def test_milvus_restart_keeps_vectors_and_outage_is_backend_unavailable(tmp_path
 
         async def scenario() -> None:
             store = MilvusGalleryStore(server.uri, timeout_s=2.0)
-            entry = GalleryEntry(
-                "face-1", "tenant-a", "ref", "v1", vector(np.random.default_rng(1)), time.time()
-            )
+            entry = GalleryEntry("face-1", "tenant-a", "v1", vector(np.random.default_rng(1)), time.time())
             try:
                 await store.add([entry])
                 await asyncio.to_thread(server.stop)

@@ -390,7 +390,7 @@ class FakeGalleryStore:
                 continue
             distance = float(np.linalg.norm(entry.embedding.astype(np.float64) - probe))
             if distance <= max_distance:
-                scored.append(GalleryMatch(face_id, entry.client_reference, distance))
+                scored.append(GalleryMatch(face_id, distance))
         scored.sort(key=lambda match: (match.distance, match.face_id))
         return scored[:limit]
 
@@ -733,7 +733,6 @@ class World:
                 GalleryEntry(
                     face_id=face_id,
                     tenant_id=tenant_id,
-                    client_reference=client_reference,
                     model_version=record.model_version,
                     embedding=vector,
                     created_at=record.created_at,

@@ -34,7 +34,7 @@ async def record_only(world: World, tenant_id: str, face_id: str, age_s: float) 
 
 async def vector_only(world: World, tenant_id: str, face_id: str) -> None:
     """What a removal interrupted after deleting the vector's record would leave (debris)."""
-    entry = GalleryEntry(face_id, tenant_id, None, "unit-test-v1", embedding(len(face_id)), time.time())
+    entry = GalleryEntry(face_id, tenant_id, "unit-test-v1", embedding(len(face_id)), time.time())
     await world.gallery.add([entry])
 
 
