@@ -11,7 +11,7 @@ from models.embedder import MODEL_VERSION
 from models.scoring import DEFAULT_MIN_SCORE
 from serve_app.api.app import ApiServices
 from serve_app.api.tokens import TokenSigner
-from serve_app.pipelines.analysis import FaceAnalysisBackend
+from serve_app.pipelines.analysis import DeadlineAnalysis, FaceAnalysisBackend
 from serve_app.pipelines.auth import ClientAuthenticator
 from serve_app.pipelines.processing import ProcessingPolicy, TransactionProcessor
 from serve_app.pipelines.proofs import ProofService
@@ -93,7 +93,7 @@ def build_processor(settings: Settings, analysis: FaceAnalysisBackend) -> Transa
         stores.records,
         gallery_store(settings),
         LocalBlobStore(settings.blob_dir),
-        analysis,
+        DeadlineAnalysis(analysis, settings.model_call_timeout_s),
         policy,
     )
 

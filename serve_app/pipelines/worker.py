@@ -1,7 +1,9 @@
 """The queue consumer: claims transactions, processes them concurrently, acknowledges them when final.
 
 An entry is acknowledged only after its transaction reached a final state, so a worker that dies mid-way
-leaves it pending; any live worker reclaims it after `stale_after_s` and finishes it.
+leaves it pending; any live worker reclaims it after `stale_after_s` and finishes it. A live worker renews
+its lease on the entries it is still working on (their idle time restarts, their delivery count does not
+grow), so a slow transaction is never reclaimed and processed a second time while its worker is alive.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ class WorkerPolicy:
     reclaim_every_s: float = 5.0
     backoff_s: float = 1.0
     outage_backoff_s: float = 2.0
+
+    @property
+    def lease_renew_every_s(self) -> float:
+        # Three renewals per stale window: one late renewal still leaves the lease alive.
+        return min(self.reclaim_every_s, self.stale_after_s / 3)
 
 
 class QueueWorker:
@@ -61,11 +68,17 @@ class QueueWorker:
 
     async def run(self, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
-        next_reclaim = 0.0
+        next_reclaim = next_renewal = 0.0
         while not stop.is_set():
             try:
                 # Only with a free slot: the queue refuses a request for zero entries (Redis: COUNT 0).
-                if loop.time() >= next_reclaim and self._free_slots() > 0:
+                reclaim_due = loop.time() >= next_reclaim and self._free_slots() > 0
+                if reclaim_due or loop.time() >= next_renewal:
+                    # Also right before every reclaim, so a reclaim never finds this worker's own entries
+                    # idle: self-reclaims would count deliveries towards the give-up.
+                    next_renewal = loop.time() + self._policy.lease_renew_every_s
+                    await self._renew_leases()
+                if reclaim_due:
                     next_reclaim = loop.time() + self._policy.reclaim_every_s
                     await self._start_all(
                         await self._queue.reclaim_stale(
@@ -83,6 +96,16 @@ class QueueWorker:
                 logger.warning("worker %s: %s; retrying", self.consumer, error.message)
                 await asyncio.sleep(self._policy.backoff_s)
         await self.drain()
+
+    async def _renew_leases(self) -> None:
+        working_on = sorted(self._active_entries)
+        if not working_on:
+            return
+        lost = set(working_on) - set(await self._queue.renew(self.consumer, working_on))
+        if lost:
+            # Another worker reclaimed them (this one stalled past stale_after_s); processing is idempotent
+            # and a final state is never overwritten, so both finishing is harmless.
+            logger.warning("worker %s: lost the lease on %s", self.consumer, sorted(lost))
 
     async def drain(self) -> None:
         if self._in_flight:

@@ -50,6 +50,11 @@ class WorkQueue(Protocol):
     async def reclaim_stale(self, consumer: str, min_idle_ms: int, count: int) -> list[QueueEntry]:
         """Entries delivered to a consumer that has not acknowledged them for min_idle_ms (it died)."""
 
+    async def renew(self, consumer: str, entry_ids: Sequence[str]) -> list[str]:
+        """Renew this consumer's lease on entries it is still working on: their idle time restarts, their
+        delivery count does not grow. Returns the ids it still holds; one another consumer reclaimed
+        meanwhile is left to that consumer."""
+
     async def ack(self, entry_ids: Sequence[str]) -> None: ...
 
     async def requeue(self, entry: QueueEntry) -> None:

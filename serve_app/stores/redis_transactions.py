@@ -64,6 +64,20 @@ redis.call('EXPIRE', KEYS[3], ARGV[6])
 return 1
 """
 
+# Lease renewal: for each id still pending with consumer ARGV[2], XCLAIM ... JUSTID (idle time back to 0,
+# delivery count unchanged). Ids another consumer holds are skipped, never taken back. Returns held ids.
+_RENEW = """
+local held = {}
+for i = 3, #ARGV do
+  local owned = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
+  if owned[1] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    held[#held + 1] = ARGV[i]
+  end
+end
+return held
+"""
+
 
 def _encode(tx: Transaction) -> dict[FieldT, EncodableT]:
     fields: dict[FieldT, EncodableT] = {
@@ -142,6 +156,7 @@ class RedisTransactionStore:
         self._max_block_s = 2.0 if socket_timeout is None else max(0.05, min(2.0, socket_timeout - 1.0))
         self._mark_processing = redis.register_script(_MARK_PROCESSING)
         self._finalize = redis.register_script(_FINALIZE)
+        self._renew = redis.register_script(_RENEW)
 
     def _tx_key(self, reference_id: str) -> str:
         return f"{self._prefix}tx:{reference_id}"
@@ -304,6 +319,14 @@ class RedisTransactionStore:
             for entry_id, fields in claimed
             if "ref" in fields
         ]
+
+    async def renew(self, consumer: str, entry_ids: Sequence[str]) -> list[str]:
+        if not entry_ids:
+            return []
+        async with redis_errors():
+            await self._ensure_group()
+            held = await self._renew(keys=[self._stream], args=[self._group, consumer, *entry_ids])
+        return [text(entry_id) for entry_id in held or []]
 
     async def ack(self, entry_ids: Sequence[str]) -> None:
         if not entry_ids:

@@ -116,6 +116,7 @@ class FakeWorkQueue:
         self.acked: list[str] = []
         self.deliveries: list[QueueEntry] = []  # every hand-out, in order
         self.requeued: list[str] = []  # reference ids put back after a backend outage
+        self.renewals: list[str] = []  # entry ids whose lease was renewed
 
     def add(self, reference_id: str) -> str:
         entry_id = f"{next(self._ids)}-0"
@@ -151,6 +152,17 @@ class FakeWorkQueue:
                 entries.append(QueueEntry(entry_id, pending.reference_id, pending.deliveries))
         self.deliveries.extend(entries)
         return entries
+
+    async def renew(self, consumer: str, entry_ids: Sequence[str]) -> list[str]:
+        await self._faults.check("queue.renew")
+        held = []
+        for entry_id in entry_ids:
+            pending = self._pending.get(entry_id)
+            if pending is not None and pending.consumer == consumer:
+                pending.delivered_at = self._clock()
+                held.append(entry_id)
+        self.renewals.extend(held)
+        return held
 
     async def requeue(self, entry: QueueEntry) -> None:
         await self._faults.check("queue.requeue")
