@@ -48,7 +48,9 @@ def redis_stores(settings: Settings) -> RedisStores:
     redis = connect_redis(_require(settings.redis_url, "REDIS_URL"), max_connections=1024)
     prefix = settings.key_prefix
     return RedisStores(
-        transactions=RedisTransactionStore(redis, prefix=prefix),
+        transactions=RedisTransactionStore(
+            redis, prefix=prefix, finished_ttl_s=settings.transaction_retention_s or None
+        ),
         records=RedisFaceRecordStore(redis, prefix=prefix),
         clients=RedisClientStore(redis, pepper=settings.secret_key, prefix=prefix),
         limiter=RedisRateLimiter(redis, prefix=prefix),

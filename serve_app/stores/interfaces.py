@@ -7,7 +7,7 @@ cannot be reached, so callers never see redis/pymilvus exception types.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -41,6 +41,9 @@ class TransactionStore(Protocol):
         """Return the transaction once final, or its latest state when timeout_s passes."""
 
     async def count_by_state(self) -> dict[str, int]: ...
+
+    async def image_keys_in_flight(self) -> set[str]:
+        """Blob keys of the uploads of transactions not yet acknowledged on the work queue."""
 
 
 class WorkQueue(Protocol):
@@ -106,6 +109,10 @@ class BlobStore(Protocol):
         """(bytes, content_type), or None when absent."""
 
     async def delete(self, key: str) -> None: ...
+
+    async def sweep(self, keep: Collection[str], older_than_s: float) -> int:
+        """Delete every blob not named in `keep` and last written more than older_than_s ago; returns
+        how many were deleted."""
 
 
 @dataclass(frozen=True)

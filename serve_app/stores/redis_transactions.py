@@ -148,7 +148,8 @@ class RedisTransactionStore:
         self._counts = f"{prefix}tx:counts"
         self._group = group
         self._finished_ttl_s = finished_ttl_s or 0
-        self._done_ttl_s = max(1, done_signal_ttl_s)
+        # A completion signal never outlives its transaction.
+        self._done_ttl_s = max(1, min(done_signal_ttl_s, self._finished_ttl_s or done_signal_ttl_s))
         self._group_ready = False
         # Blocking commands must return before the socket read times out, or redis-py would treat the
         # quiet connection as dead; long waits are made of several shorter blocking calls.
@@ -222,6 +223,23 @@ class RedisTransactionStore:
                         await pipe.execute()
                     break
         return await self.get(reference_id)
+
+    async def image_keys_in_flight(self) -> set[str]:
+        """Blob keys of the uploads of transactions still on the queue: reconciliation keeps them."""
+        found: set[str] = set()
+        start = "-"
+        async with redis_errors():
+            while True:
+                page: list[Any] = await self._redis.xrange(self._stream, min=start, max="+", count=1000) or []
+                references = [text(fields["ref"]) for _entry_id, fields in page if fields and "ref" in fields]
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for reference_id in references:
+                        pipe.hget(self._tx_key(reference_id), "image_key")
+                    values = await pipe.execute() if references else []
+                found.update(text(value) for value in values if value is not None)
+                if len(page) < 1000:
+                    return found
+                start = f"({text(page[-1][0])}"  # exclusive: the next page starts after the last entry
 
     async def count_by_state(self) -> dict[str, int]:
         """Counters kept by every state change. With finished_ttl_s set, expired final transactions stay
