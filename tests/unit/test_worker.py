@@ -113,13 +113,13 @@ def test_a_saturated_worker_never_asks_the_queue_for_zero_entries(caplog: pytest
             await wait_until(lambda: world.analysis.started == 2, what="the worker to fill up")
             await asyncio.sleep(0.1)  # ten reclaim periods while every slot is taken
             world.analysis.gate.set()
-            await wait_until(
-                lambda: len(world.queue.acked) == 3, timeout_s=0.4, what="all three acknowledged"
-            )
+            await wait_until(lambda: len(world.queue.acked) == 3, what="all three acknowledged")
         assert all(state(world, tx) is TransactionState.COMPLETED for tx in transactions)
+        assert world.faults.calls.get("queue.reclaim_stale", 0) >= 1
 
     with caplog.at_level(logging.WARNING, logger="serve_app.pipelines.worker"):
         asyncio.run(scenario())
+    # A request for zero entries would have been refused (BackendUnavailable, logged, then a backoff).
     assert "COUNT must be > 0" not in caplog.text
 
 
