@@ -48,5 +48,11 @@ class BackendUnavailable(ServiceError):
     """Redis or Milvus cannot be reached (503)."""
 
 
+class BackendRejected(BackendUnavailable):
+    """The backend answered but refused the request itself (a bug, or data it cannot take). Still 503 to a
+    client, but a worker counts it as a failed attempt, which ends in `failed` after max_deliveries,
+    instead of requeueing it as an outage forever: retrying the same request cannot help."""
+
+
 class ModelUnavailable(ServiceError):
     """A model deployment failed to answer (503)."""

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from serve_app.domain.errors import BackendUnavailable
+from serve_app.domain.errors import BackendRejected, BackendUnavailable
 from serve_app.pipelines.processing import TransactionProcessor
 from serve_app.stores.interfaces import QueueEntry, WorkQueue
 
@@ -136,6 +136,12 @@ class QueueWorker:
         started = time.perf_counter()
         try:
             await self._processor.process(entry.reference_id)
+        except BackendRejected:
+            # The backend refuses this transaction's request every time: a failed attempt, not an outage.
+            logger.exception(
+                "worker %s: a backend rejected transaction %s; will retry", self.consumer, entry.reference_id
+            )
+            return
         except BackendUnavailable as error:
             # An outage is not the transaction's fault: after a pause, put it back with a fresh delivery
             # count so a long outage delays transactions but never fails them. If Redis itself is down the

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from serve_app.domain.errors import BackendUnavailable
+from serve_app.domain.errors import BackendRejected, BackendUnavailable
 from serve_app.domain.faces import GalleryEntry, GalleryMatch
 
 logger = logging.getLogger(__name__)
@@ -111,9 +111,14 @@ class MilvusGalleryStore:
     @staticmethod
     def _unavailable(error: Exception) -> BackendUnavailable:
         text = str(error)
-        if not any(word in text for word in ("connect", "UNAVAILABLE", "DEADLINE", "unavailable", "Retry")):
-            # Not a transport failure (a rejected request, a bug): keep the traceback in the log.
+        transport = type(error).__module__.startswith("grpc") or isinstance(error, OSError)
+        if not transport and not any(
+            word in text for word in ("connect", "UNAVAILABLE", "DEADLINE", "unavailable", "Retry")
+        ):
+            # Not a transport failure (a rejected request, a bug): keep the traceback in the log, and let a
+            # worker count it as a failed attempt rather than requeue it as an outage forever.
             logger.error("unexpected Milvus error", exc_info=error)
+            return BackendRejected(f"Milvus is unavailable: {text}")
         return BackendUnavailable(f"Milvus is unavailable: {text}")
 
     def _ready_client(self) -> Any:
