@@ -108,8 +108,11 @@ class QueueWorker:
             logger.warning("worker %s: lost the lease on %s", self.consumer, sorted(lost))
 
     async def drain(self) -> None:
-        if self._in_flight:
-            await asyncio.gather(*self._in_flight, return_exceptions=True)
+        # The leases are kept while the last transactions finish, or another worker would take them over.
+        while self._in_flight:
+            await asyncio.wait(set(self._in_flight), timeout=self._policy.lease_renew_every_s)
+            with contextlib.suppress(BackendUnavailable):
+                await self._renew_leases()
 
     def _free_slots(self) -> int:
         return max(0, self._policy.concurrency - len(self._in_flight))

@@ -204,3 +204,36 @@ def test_a_hung_model_call_times_out_frees_its_slot_and_the_transaction_ends_fai
             await redis.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_stopping_worker_keeps_its_leases_while_it_drains(redis_url: str) -> None:
+    async def scenario() -> None:
+        redis = connect_redis(redis_url)
+        store = RedisTransactionStore(redis, prefix=f"t{uuid.uuid4().hex[:8]}:")
+        analysis = SlowAnalysis(SLOW_CALL_S)
+        blobs = FakeBlobStore()
+        processor = TransactionProcessor(
+            store, FakeFaceRecordStore(), FakeGalleryStore(), blobs, analysis, TEST_POLICY
+        )
+        service = TransactionService(store, blobs, 40_000_000)
+        try:
+            tx = await service.create_face_search(
+                FaceSearchCommand(TENANT, solid_png((5, 5, 5)), None, allow_override=False, enroll_face=False)
+            )
+            leaving = QueueWorker("worker-a", store, processor, POLICY)
+            stop_leaving = asyncio.Event()
+            leaving_task = asyncio.create_task(leaving.run(stop_leaving))
+            await wait_until(lambda: leaving.in_flight == 1, what="worker-a busy")
+            stop_leaving.set()  # shutting down: it drains its slow transaction
+            staying = QueueWorker("worker-b", store, processor, POLICY)
+            async with workers(staying):
+                await asyncio.wait_for(leaving_task, 30)
+                await asyncio.sleep(2 * STALE_AFTER_S)
+            final = await store.get(tx.reference_id)
+            assert final is not None and final.state is TransactionState.COMPLETED
+            assert final.attempts == 1
+            assert (leaving.processed, staying.processed) == (1, 0)
+        finally:
+            await redis.aclose()
+
+    asyncio.run(scenario())
