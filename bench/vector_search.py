@@ -45,8 +45,7 @@ async def fill(store: MilvusGalleryStore, rng: np.random.Generator, tenant: str,
         size = min(INSERT_BATCH, count - start)
         vectors = rng.standard_normal((size, DIM), dtype=np.float32) * 0.1
         entries = [
-            GalleryEntry(f"{tenant}-{start + i}", tenant, f"ref-{start + i}", "bench", vectors[i], now)
-            for i in range(size)
+            GalleryEntry(f"{tenant}-{start + i}", tenant, "bench", vectors[i], now) for i in range(size)
         ]
         await store.add(entries)
         if len(sample) < 1000:

@@ -106,8 +106,13 @@ async def _reconcile(settings: Settings) -> int:
     from serve_app.stores.blobs import LocalBlobStore
     from serve_app.wiring import gallery_store, redis_stores
 
+    stores = redis_stores(settings)
     report = await reconcile(
-        redis_stores(settings).records, gallery_store(settings), LocalBlobStore(settings.blob_dir)
+        stores.records,
+        gallery_store(settings),
+        LocalBlobStore(settings.blob_dir),
+        transactions=stores.transactions,
+        orphan_grace_s=settings.orphan_upload_grace_s,
     )
     print(json.dumps(dataclasses.asdict(report)))
     return 0
@@ -133,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     clients_parser = commands.add_parser("clients", help="manage API clients")
     clients_parser.add_argument("action", choices=("create", "list", "revoke"))
     clients_parser.add_argument("value", nargs="?", help="name (create) or client id (revoke)")
-    commands.add_parser("reconcile", help="repair faces present in only one of Redis and Milvus")
+    commands.add_parser(
+        "reconcile", help="repair faces present in only one of Redis and Milvus; sweep orphaned blobs"
+    )
     options = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if options.command == "start":

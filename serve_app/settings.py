@@ -61,6 +61,9 @@ class Settings:
     worker_concurrency: int = 32  # transactions in flight per worker replica
     stale_after_s: float = 30.0  # a claimed transaction unacknowledged this long is reclaimed
     max_deliveries: int = 5  # after this many attempts a transaction is failed, not retried forever
+    model_call_timeout_s: float = 10.0  # one analysis call; a hung model call must not pin a worker slot
+    transaction_retention_s: int = 30 * 24 * 3600  # final transactions expire after this; 0 keeps them
+    orphan_upload_grace_s: int = 3600  # unreferenced blobs older than this are swept by reconciliation
     key_prefix: str = "fs:"
     blob_dir: Path = field(default_factory=lambda: Path("var/blobs"))
 
@@ -102,6 +105,11 @@ class Settings:
             worker_concurrency=_env_int("FACESEARCH_WORKER_CONCURRENCY", 32),
             stale_after_s=_env_float("FACESEARCH_STALE_AFTER_S", 30.0),
             max_deliveries=_env_int("FACESEARCH_MAX_DELIVERIES", 5),
+            transaction_retention_s=_env_int(
+                "FACESEARCH_TRANSACTION_RETENTION_S", cls.transaction_retention_s
+            ),
+            orphan_upload_grace_s=_env_int("FACESEARCH_ORPHAN_UPLOAD_GRACE_S", cls.orphan_upload_grace_s),
+            model_call_timeout_s=_env_float("FACESEARCH_MODEL_CALL_TIMEOUT_S", cls.model_call_timeout_s),
             key_prefix=os.environ.get("FACESEARCH_KEY_PREFIX", "fs:"),
             blob_dir=Path(os.environ.get("FACESEARCH_BLOB_DIR") or data_dir / "blobs"),
         )

@@ -12,7 +12,7 @@ from models.scoring import DEFAULT_MIN_SCORE
 from serve_app.api.app import ApiServices
 from serve_app.api.limits import parse_networks
 from serve_app.api.tokens import TokenSigner
-from serve_app.pipelines.analysis import FaceAnalysisBackend
+from serve_app.pipelines.analysis import DeadlineAnalysis, FaceAnalysisBackend
 from serve_app.pipelines.auth import ClientAuthenticator
 from serve_app.pipelines.processing import ProcessingPolicy, TransactionProcessor
 from serve_app.pipelines.proofs import ProofService
@@ -49,7 +49,9 @@ def redis_stores(settings: Settings) -> RedisStores:
     redis = connect_redis(_require(settings.redis_url, "REDIS_URL"), max_connections=1024)
     prefix = settings.key_prefix
     return RedisStores(
-        transactions=RedisTransactionStore(redis, prefix=prefix),
+        transactions=RedisTransactionStore(
+            redis, prefix=prefix, finished_ttl_s=settings.transaction_retention_s or None
+        ),
         records=RedisFaceRecordStore(redis, prefix=prefix),
         clients=RedisClientStore(redis, pepper=settings.secret_key, prefix=prefix),
         limiter=RedisRateLimiter(redis, prefix=prefix),
@@ -97,7 +99,7 @@ def build_processor(settings: Settings, analysis: FaceAnalysisBackend) -> Transa
         stores.records,
         gallery_store(settings),
         LocalBlobStore(settings.blob_dir),
-        analysis,
+        DeadlineAnalysis(analysis, settings.model_call_timeout_s),
         policy,
     )
 

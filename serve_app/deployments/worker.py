@@ -97,7 +97,13 @@ class TransactionWorker:
         while not self._stop.is_set():
             await asyncio.sleep(RECONCILE_EVERY_S)
             try:
-                report = await reconcile(self._stores.records, gallery, blobs)
+                report = await reconcile(
+                    self._stores.records,
+                    gallery,
+                    blobs,
+                    transactions=self._stores.transactions,
+                    orphan_grace_s=self._settings.orphan_upload_grace_s,
+                )
                 logger.info("reconciliation: %s", report)
             except Exception as error:  # a backend outage: try again next round
                 logger.warning("reconciliation failed: %r", error)

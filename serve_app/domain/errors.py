@@ -58,6 +58,12 @@ class BackendUnavailable(ServiceError):
     public_message = "The service is temporarily unavailable; retry after the indicated delay."
 
 
+class BackendRejected(BackendUnavailable):
+    """The backend answered but refused the request itself (a bug, or data it cannot take). Still 503 to a
+    client, but a worker counts it as a failed attempt, which ends in `failed` after max_deliveries,
+    instead of requeueing it as an outage forever: retrying the same request cannot help."""
+
+
 class ModelUnavailable(ServiceError):
     """A model deployment failed to answer (503)."""
 

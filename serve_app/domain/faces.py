@@ -29,9 +29,10 @@ class FaceRecord:
 
 @dataclass(frozen=True)
 class GalleryEntry:
+    # No client_reference: it lives only in the face record (Redis) and is joined by face_id at search
+    # time, so user text of any length never meets Milvus' VARCHAR byte limits.
     face_id: str
     tenant_id: str
-    client_reference: str | None
     model_version: str
     embedding: np.ndarray  # float32 [128]
     created_at: float
@@ -40,5 +41,4 @@ class GalleryEntry:
 @dataclass(frozen=True)
 class GalleryMatch:
     face_id: str
-    client_reference: str | None
     distance: float  # Euclidean distance between descriptors

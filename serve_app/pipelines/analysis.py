@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Protocol
 
 import numpy as np
@@ -12,3 +13,25 @@ from models.types import AnalyzedFace
 class FaceAnalysisBackend(Protocol):
     async def analyze(self, image: np.ndarray, *, embed: bool, estimate_age: bool) -> list[AnalyzedFace]:
         """Faces in one RGB uint8 image with their descriptors and/or age estimates."""
+
+
+class ModelCallTimedOut(Exception):
+    """A model call took longer than its deadline. Counted as a failed attempt (retried, then given up
+    after max_deliveries), not as an outage: a call that always hangs on some image must end."""
+
+
+class DeadlineAnalysis:
+    """Bounds every analysis call, so one hung model call cannot hold a worker slot (and its lease)
+    forever. Cancelling the awaiting task cancels the Serve handle request too."""
+
+    def __init__(self, backend: FaceAnalysisBackend, timeout_s: float) -> None:
+        self._backend = backend
+        self._timeout_s = timeout_s
+
+    async def analyze(self, image: np.ndarray, *, embed: bool, estimate_age: bool) -> list[AnalyzedFace]:
+        try:
+            return await asyncio.wait_for(
+                self._backend.analyze(image, embed=embed, estimate_age=estimate_age), self._timeout_s
+            )
+        except TimeoutError:
+            raise ModelCallTimedOut(f"the model call took longer than {self._timeout_s:g} s") from None

@@ -114,10 +114,17 @@ class TransactionProcessor:
         matches = await self._gallery.search(
             tx.tenant_id, probe.embedding, self._policy.max_matches + 1, self._max_distance
         )
+        # client_reference is kept only in the face records (see milvus_gallery); a vector whose record is
+        # gone is debris of an interrupted removal, never a match.
+        records = await self._records.get_many(tx.tenant_id, [match.face_id for match in matches])
         matched = [
-            [match.face_id, round(score_from_distance(match.distance), 6), match.client_reference or ""]
+            [
+                match.face_id,
+                round(score_from_distance(match.distance), 6),
+                records[match.face_id].client_reference or "",
+            ]
             for match in matches
-            if match.face_id != own_face_id
+            if match.face_id != own_face_id and match.face_id in records
         ][: self._policy.max_matches]
         enrolled = False
         if tx.enroll_face:
@@ -190,7 +197,6 @@ class TransactionProcessor:
                 GalleryEntry(
                     face_id=record.face_id,
                     tenant_id=record.tenant_id,
-                    client_reference=record.client_reference,
                     model_version=record.model_version,
                     embedding=face.embedding,
                     created_at=record.created_at,

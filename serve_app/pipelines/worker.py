@@ -1,7 +1,9 @@
 """The queue consumer: claims transactions, processes them concurrently, acknowledges them when final.
 
 An entry is acknowledged only after its transaction reached a final state, so a worker that dies mid-way
-leaves it pending; any live worker reclaims it after `stale_after_s` and finishes it.
+leaves it pending; any live worker reclaims it after `stale_after_s` and finishes it. A live worker renews
+its lease on the entries it is still working on (their idle time restarts, their delivery count does not
+grow), so a slow transaction is never reclaimed and processed a second time while its worker is alive.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from serve_app.domain.errors import BackendUnavailable
+from serve_app.domain.errors import BackendRejected, BackendUnavailable
 from serve_app.pipelines.processing import TransactionProcessor
 from serve_app.stores.interfaces import QueueEntry, WorkQueue
 
@@ -30,6 +32,11 @@ class WorkerPolicy:
     reclaim_every_s: float = 5.0
     backoff_s: float = 1.0
     outage_backoff_s: float = 2.0
+
+    @property
+    def lease_renew_every_s(self) -> float:
+        # Three renewals per stale window: one late renewal still leaves the lease alive.
+        return min(self.reclaim_every_s, self.stale_after_s / 3)
 
 
 class QueueWorker:
@@ -61,11 +68,17 @@ class QueueWorker:
 
     async def run(self, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
-        next_reclaim = 0.0
+        next_reclaim = next_renewal = 0.0
         while not stop.is_set():
             try:
                 # Only with a free slot: the queue refuses a request for zero entries (Redis: COUNT 0).
-                if loop.time() >= next_reclaim and self._free_slots() > 0:
+                reclaim_due = loop.time() >= next_reclaim and self._free_slots() > 0
+                if reclaim_due or loop.time() >= next_renewal:
+                    # Also right before every reclaim, so a reclaim never finds this worker's own entries
+                    # idle: self-reclaims would count deliveries towards the give-up.
+                    next_renewal = loop.time() + self._policy.lease_renew_every_s
+                    await self._renew_leases()
+                if reclaim_due:
                     next_reclaim = loop.time() + self._policy.reclaim_every_s
                     await self._start_all(
                         await self._queue.reclaim_stale(
@@ -84,9 +97,22 @@ class QueueWorker:
                 await asyncio.sleep(self._policy.backoff_s)
         await self.drain()
 
+    async def _renew_leases(self) -> None:
+        working_on = sorted(self._active_entries)
+        if not working_on:
+            return
+        lost = set(working_on) - set(await self._queue.renew(self.consumer, working_on))
+        if lost:
+            # Another worker reclaimed them (this one stalled past stale_after_s); processing is idempotent
+            # and a final state is never overwritten, so both finishing is harmless.
+            logger.warning("worker %s: lost the lease on %s", self.consumer, sorted(lost))
+
     async def drain(self) -> None:
-        if self._in_flight:
-            await asyncio.gather(*self._in_flight, return_exceptions=True)
+        # The leases are kept while the last transactions finish, or another worker would take them over.
+        while self._in_flight:
+            await asyncio.wait(set(self._in_flight), timeout=self._policy.lease_renew_every_s)
+            with contextlib.suppress(BackendUnavailable):
+                await self._renew_leases()
 
     def _free_slots(self) -> int:
         return max(0, self._policy.concurrency - len(self._in_flight))
@@ -113,6 +139,12 @@ class QueueWorker:
         started = time.perf_counter()
         try:
             await self._processor.process(entry.reference_id)
+        except BackendRejected:
+            # The backend refuses this transaction's request every time: a failed attempt, not an outage.
+            logger.exception(
+                "worker %s: a backend rejected transaction %s; will retry", self.consumer, entry.reference_id
+            )
+            return
         except BackendUnavailable as error:
             # An outage is not the transaction's fault: after a pause, put it back with a fresh delivery
             # count so a long outage delays transactions but never fails them. If Redis itself is down the

@@ -14,6 +14,8 @@ import hashlib
 import os
 import re
 import tempfile
+import time
+from collections.abc import Collection
 from pathlib import Path
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9_\-/]+$")
@@ -108,3 +110,31 @@ class LocalBlobStore:
         for target in (path, path.with_suffix(".type")):
             with contextlib.suppress(FileNotFoundError):
                 target.unlink()
+
+    async def sweep(self, keep: Collection[str], older_than_s: float) -> int:
+        """Delete blobs whose key is not in `keep` and whose file is older than older_than_s, with the
+        temporary files interrupted writes left behind. File names are key hashes, so the keys to keep are
+        hashed and everything else in the fan-out directories is a candidate."""
+        keep_names = set()
+        for key in keep:
+            with contextlib.suppress(ValueError):  # a key no blob could have been stored under
+                keep_names.add(self._path(key).name)
+        return await asyncio.to_thread(self._sweep_sync, keep_names, time.time() - older_than_s)
+
+    def _sweep_sync(self, keep_names: set[str], cutoff: float) -> int:
+        removed = 0
+        for directory in self._root.glob("*/*"):
+            if not directory.is_dir():
+                continue
+            for path in directory.iterdir():
+                if path.name.removesuffix(".type") in keep_names:
+                    continue
+                try:
+                    if path.stat().st_mtime >= cutoff:
+                        continue
+                    path.unlink()
+                except FileNotFoundError:
+                    continue  # deleted meanwhile
+                if not path.name.endswith(".type") and not path.name.startswith(".tmp-"):
+                    removed += 1
+        return removed

@@ -7,7 +7,7 @@ cannot be reached, so callers never see redis/pymilvus exception types.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -42,6 +42,9 @@ class TransactionStore(Protocol):
 
     async def count_by_state(self) -> dict[str, int]: ...
 
+    async def image_keys_in_flight(self) -> set[str]:
+        """Blob keys of the uploads of transactions not yet acknowledged on the work queue."""
+
 
 class WorkQueue(Protocol):
     async def claim(self, consumer: str, count: int, block_ms: int) -> list[QueueEntry]:
@@ -49,6 +52,11 @@ class WorkQueue(Protocol):
 
     async def reclaim_stale(self, consumer: str, min_idle_ms: int, count: int) -> list[QueueEntry]:
         """Entries delivered to a consumer that has not acknowledged them for min_idle_ms (it died)."""
+
+    async def renew(self, consumer: str, entry_ids: Sequence[str]) -> list[str]:
+        """Renew this consumer's lease on entries it is still working on: their idle time restarts, their
+        delivery count does not grow. Returns the ids it still holds; one another consumer reclaimed
+        meanwhile is left to that consumer."""
 
     async def ack(self, entry_ids: Sequence[str]) -> None: ...
 
@@ -101,6 +109,10 @@ class BlobStore(Protocol):
         """(bytes, content_type), or None when absent."""
 
     async def delete(self, key: str) -> None: ...
+
+    async def sweep(self, keep: Collection[str], older_than_s: float) -> int:
+        """Delete every blob not named in `keep` and last written more than older_than_s ago; returns
+        how many were deleted."""
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,11 @@
 - Milvus' L2 metric returns the SQUARED distance; matches carry the Euclidean distance.
 - Filters are strings parsed by the server. milvus-lite 2.5.1 rejects filter templates (filter_params:
   "token recognition error at '{'"), so values are validated and quoted by `milvus_string()`; only
-  tenant ids and face ids (both ours) ever reach a filter, client_reference (user input) only travels as
-  row data.
+  tenant ids and face ids (both ours) ever reach a filter.
+- No user input is stored here: client_reference (5-255 characters of any Unicode, up to 1020 UTF-8 bytes)
+  lives only in the face record in Redis and is joined by face_id after a search. Milvus counts VARCHAR
+  lengths in bytes and refuses longer values, which made a long CJK or emoji reference fail after its
+  record was written; keeping one copy in Redis also spares collections created earlier a migration.
 - Every call has a deadline: pymilvus otherwise retries some failures up to 75 times (minutes).
 """
 
@@ -21,7 +24,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from serve_app.domain.errors import BackendUnavailable
+from serve_app.domain.errors import BackendRejected, BackendUnavailable
 from serve_app.domain.faces import GalleryEntry, GalleryMatch
 
 logger = logging.getLogger(__name__)
@@ -30,7 +33,6 @@ T = TypeVar("T")
 
 DIMENSION = 128
 _ID_RE = re.compile(r"^[A-Za-z0-9_\-.:@]{1,64}$")
-_MAX_REFERENCE_BYTES = 256
 _MAX_TOPK = 16384  # Milvus' limit on search limit
 _BATCH = 2000  # rows per insert / ids per delete request, well under gRPC's message size limit
 # A private subchannel pool and a short reconnect backoff: with gRPC's defaults a channel that saw the
@@ -84,6 +86,8 @@ class MilvusGalleryStore:
         self._nlist = nlist
         self._nprobe = nprobe
         self._client: Any = None
+        # Collections created before client_reference moved to Redis have that column; it gets "".
+        self._legacy_reference_column = False
         self._init_lock = threading.Lock()  # a thread lock: initialisation runs in worker threads
 
     # -- plumbing ---------------------------------------------------------------------------------------
@@ -107,9 +111,14 @@ class MilvusGalleryStore:
     @staticmethod
     def _unavailable(error: Exception) -> BackendUnavailable:
         text = str(error)
-        if not any(word in text for word in ("connect", "UNAVAILABLE", "DEADLINE", "unavailable", "Retry")):
-            # Not a transport failure (a rejected request, a bug): keep the traceback in the log.
+        transport = type(error).__module__.startswith("grpc") or isinstance(error, OSError)
+        if not transport and not any(
+            word in text for word in ("connect", "UNAVAILABLE", "DEADLINE", "unavailable", "Retry")
+        ):
+            # Not a transport failure (a rejected request, a bug): keep the traceback in the log, and let a
+            # worker count it as a failed attempt rather than requeue it as an outage forever.
             logger.error("unexpected Milvus error", exc_info=error)
+            return BackendRejected(f"Milvus is unavailable: {text}")
         return BackendUnavailable(f"Milvus is unavailable: {text}")
 
     def _ready_client(self) -> Any:
@@ -142,7 +151,6 @@ class MilvusGalleryStore:
             schema = client.create_schema(auto_id=False, enable_dynamic_field=False)
             schema.add_field("face_id", DataType.VARCHAR, max_length=64, is_primary=True)
             schema.add_field("tenant_id", DataType.VARCHAR, max_length=64)
-            schema.add_field("client_reference", DataType.VARCHAR, max_length=_MAX_REFERENCE_BYTES)
             schema.add_field("model_version", DataType.VARCHAR, max_length=64)
             schema.add_field("created_at", DataType.INT64)
             schema.add_field("embedding", DataType.FLOAT_VECTOR, dim=DIMENSION)
@@ -168,6 +176,8 @@ class MilvusGalleryStore:
             # Search parameters follow the index the collection actually has.
             described = client.describe_index(self._collection, "embedding", timeout=timeout) or {}
             self._index_type = str(described.get("index_type", self._index_type))
+            fields = (client.describe_collection(self._collection, timeout=timeout) or {}).get("fields", [])
+            self._legacy_reference_column = any(f.get("name") == "client_reference" for f in fields)
         client.load_collection(self._collection, timeout=timeout)
 
     def _search_params(self) -> dict[str, Any]:
@@ -187,6 +197,9 @@ class MilvusGalleryStore:
             return
 
         def upsert(client: Any) -> None:
+            if self._legacy_reference_column:
+                for row in rows:
+                    row["client_reference"] = ""
             for start in range(0, len(rows), _BATCH):
                 client.upsert(self._collection, rows[start : start + _BATCH], timeout=self._timeout_s)
 
@@ -194,9 +207,6 @@ class MilvusGalleryStore:
 
     @staticmethod
     def _row(entry: GalleryEntry) -> dict[str, Any]:
-        reference = entry.client_reference or ""
-        if len(reference.encode()) > _MAX_REFERENCE_BYTES:
-            raise ValueError(f"client_reference longer than {_MAX_REFERENCE_BYTES} bytes")
         if len(entry.model_version.encode()) > 64:
             raise ValueError("model_version longer than 64 bytes")
         vector = np.asarray(entry.embedding, dtype=np.float32).reshape(-1)
@@ -205,7 +215,6 @@ class MilvusGalleryStore:
         return {
             "face_id": _checked_id(entry.face_id, "face_id"),
             "tenant_id": _checked_id(entry.tenant_id, "tenant_id"),
-            "client_reference": reference,
             "model_version": entry.model_version,
             "created_at": round(entry.created_at * 1000),
             "embedding": vector.tolist(),
@@ -227,7 +236,7 @@ class MilvusGalleryStore:
                 data=[vector.tolist()],
                 filter=expression,
                 limit=min(limit, _MAX_TOPK),
-                output_fields=["client_reference"],  # never the vectors
+                output_fields=[],  # ids and distances only, never the vectors
                 search_params=self._search_params(),
                 consistency_level="Strong",
                 timeout=self._timeout_s,
@@ -239,10 +248,7 @@ class MilvusGalleryStore:
             distance = math.sqrt(max(float(hit["distance"]), 0.0))
             if distance > max_distance:
                 continue
-            reference = (hit.get("entity") or {}).get("client_reference") or None
-            matches.append(
-                GalleryMatch(face_id=str(hit["id"]), client_reference=reference, distance=distance)
-            )
+            matches.append(GalleryMatch(face_id=str(hit["id"]), distance=distance))
         matches.sort(key=lambda match: match.distance)
         return matches
 

@@ -17,7 +17,7 @@ from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 
-from serve_app.domain.errors import BackendUnavailable
+from serve_app.domain.errors import BackendRejected, BackendUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +25,17 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 DEFAULT_SOCKET_TIMEOUT_S = 5.0
+# Error replies that describe the server's state, not the command: they pass when the server recovers.
+# redis-py raises its own classes for some (prefix stripped from the message); others keep their prefix.
+_SERVER_STATE_CLASSES = (
+    redis_exceptions.OutOfMemoryError,
+    redis_exceptions.ReadOnlyError,
+    redis_exceptions.NoPermissionError,
+    redis_exceptions.TryAgainError,
+    redis_exceptions.ClusterDownError,
+    redis_exceptions.MasterDownError,
+)
+_SERVER_STATE_PREFIXES = ("MISCONF", "BUSY", "NOREPLICAS", "UNBLOCKED")
 
 
 def connect_redis(
@@ -86,7 +97,12 @@ def to_backend_unavailable(error: BaseException) -> BackendUnavailable:
     # Anything else (a ResponseError such as MISCONF or OOM, or a bug) is still reported as the backend
     # failing, but logged with its traceback so a bug does not hide behind a 503.
     logger.error("unexpected Redis error", exc_info=error)
-    return BackendUnavailable(f"Redis is unavailable: {type(error).__name__}: {error}")
+    message = f"Redis is unavailable: {type(error).__name__}: {error}"
+    server_state = isinstance(error, _SERVER_STATE_CLASSES) or str(error).startswith(_SERVER_STATE_PREFIXES)
+    if isinstance(error, redis_exceptions.ResponseError) and not server_state:
+        # WRONGTYPE, a script error, a bad argument: this command fails the same way every time.
+        return BackendRejected(message)
+    return BackendUnavailable(message)
 
 
 @asynccontextmanager

@@ -70,6 +70,20 @@ redis.call('EXPIRE', KEYS[3], ARGV[6])
 return 1
 """
 
+# Lease renewal: for each id still pending with consumer ARGV[2], XCLAIM ... JUSTID (idle time back to 0,
+# delivery count unchanged). Ids another consumer holds are skipped, never taken back. Returns held ids.
+_RENEW = """
+local held = {}
+for i = 3, #ARGV do
+  local owned = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
+  if owned[1] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    held[#held + 1] = ARGV[i]
+  end
+end
+return held
+"""
+
 
 def _encode(tx: Transaction) -> dict[FieldT, EncodableT]:
     fields: dict[FieldT, EncodableT] = {
@@ -140,7 +154,8 @@ class RedisTransactionStore:
         self._counts = f"{prefix}sys:tx-counts"
         self._group = group
         self._finished_ttl_s = finished_ttl_s or 0
-        self._done_ttl_s = max(1, done_signal_ttl_s)
+        # A completion signal never outlives its transaction.
+        self._done_ttl_s = max(1, min(done_signal_ttl_s, self._finished_ttl_s or done_signal_ttl_s))
         self._group_ready = False
         # Blocking commands must return before the socket read times out, or redis-py would treat the
         # quiet connection as dead; long waits are made of several shorter blocking calls.
@@ -148,6 +163,7 @@ class RedisTransactionStore:
         self._max_block_s = 2.0 if socket_timeout is None else max(0.05, min(2.0, socket_timeout - 1.0))
         self._mark_processing = redis.register_script(_MARK_PROCESSING)
         self._finalize = redis.register_script(_FINALIZE)
+        self._renew = redis.register_script(_RENEW)
 
     def _tx_key(self, reference_id: str) -> str:
         return f"{self._prefix}txn:{reference_id}"
@@ -215,6 +231,23 @@ class RedisTransactionStore:
                         await pipe.execute()
                     break
         return await self.get(reference_id)
+
+    async def image_keys_in_flight(self) -> set[str]:
+        """Blob keys of the uploads of transactions still on the queue: reconciliation keeps them."""
+        found: set[str] = set()
+        start = "-"
+        async with redis_errors():
+            while True:
+                page: list[Any] = await self._redis.xrange(self._stream, min=start, max="+", count=1000) or []
+                references = [text(fields["ref"]) for _entry_id, fields in page if fields and "ref" in fields]
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for reference_id in references:
+                        pipe.hget(self._tx_key(reference_id), "image_key")
+                    values = await pipe.execute() if references else []
+                found.update(text(value) for value in values if value is not None)
+                if len(page) < 1000:
+                    return found
+                start = f"({text(page[-1][0])}"  # exclusive: the next page starts after the last entry
 
     async def count_by_state(self) -> dict[str, int]:
         """Counters kept by every state change. With finished_ttl_s set, expired final transactions stay
@@ -312,6 +345,14 @@ class RedisTransactionStore:
             for entry_id, fields in claimed
             if "ref" in fields
         ]
+
+    async def renew(self, consumer: str, entry_ids: Sequence[str]) -> list[str]:
+        if not entry_ids:
+            return []
+        async with redis_errors():
+            await self._ensure_group()
+            held = await self._renew(keys=[self._stream], args=[self._group, consumer, *entry_ids])
+        return [text(entry_id) for entry_id in held or []]
 
     async def ack(self, entry_ids: Sequence[str]) -> None:
         if not entry_ids:

@@ -14,7 +14,8 @@ fuzzing /request-access-token produces throttle that address only, never the 127
 session logs in from; the counters are reset afterwards either way.
 
 FACESEARCH_FUZZ_EXAMPLES (default 40) sets the examples per operation and mode,
-FACESEARCH_FUZZ_REALISTIC_EXAMPLES (default 40) those of the realistic fuzzer, and FACESEARCH_FUZZ_SEED
+FACESEARCH_FUZZ_REALISTIC_EXAMPLES (default 40) those of the realistic fuzzer. The seed is fixed (see
+tests/integration/fuzz_seed.py): `make fuzz-random` draws a new one, and FACESEARCH_FUZZ_SEED=<seed>
 replays a run (the seed is printed with each test's summary, and named in every failure).
 """
 
@@ -25,7 +26,6 @@ import base64
 import io
 import json
 import os
-import random
 import socket
 import struct
 import time
@@ -57,12 +57,13 @@ from schemathesis.checks import (
 
 from serve_app.api.tokens import TokenSigner
 from tests.faces_dev import FacesDev
+from tests.integration.fuzz_seed import fuzz_seed
 from tests.service_harness import RunningService
 
 pytestmark = pytest.mark.service
 
 EXAMPLES = int(os.environ.get("FACESEARCH_FUZZ_EXAMPLES", "40"))
-SEED = int(os.environ.get("FACESEARCH_FUZZ_SEED") or random.SystemRandom().randrange(2**32))
+SEED = fuzz_seed()
 FUZZ_SOURCE_ADDRESS = "127.0.0.2"
 REQUEST_TIMEOUT_S = 30.0
 

@@ -2,7 +2,8 @@
 
 Mixed traffic from a few users for FACESEARCH_LOAD_SECONDS (default 30) seconds: enrolment with and without
 override, searches, age estimation with and without wait_for_result, result polling and proof downloads.
-It must finish on its own with no failed request at all, and with enough requests to mean something.
+It must finish on its own with no failed request at all, having reached every endpoint. How many requests
+it made is printed, not asserted: throughput is measured by `python -m bench.service`.
 
     FACESEARCH_LOAD_SECONDS=180 FACESEARCH_LOAD_USERS=8 pytest tests/integration/test_load.py -s
 """
@@ -31,12 +32,9 @@ USERS = int(os.environ.get("FACESEARCH_LOAD_USERS", "6"))
 SPAWN_RATE = 3
 # Start-up, the last in-flight requests and the summary; a run that is still going after this is hung.
 GRACE_S = 60
-# Six users on a shared 2-core machine make about 35 requests/s (most of them /result polls); far fewer
-# means the users stalled (every login refused, polls hanging, ...).
-MIN_REQUESTS_PER_SECOND = 3.0
 SUMMARY = re.compile(r"requests=(\d+) failures=(\d+) p50=(\d+)ms p99=(\d+)ms")
-# Endpoints every run must reach: proof URLs come from searches that match a face enrolled earlier in the
-# run, which happens within seconds (tens of downloads in 30 s).
+# Endpoints every run must reach (users that stalled, every login refused or polls hanging, would miss
+# some): proof URLs come from searches that match a face enrolled earlier in the run.
 REQUIRED_ENDPOINTS = (
     "/request-access-token",
     "/face-search",
@@ -122,6 +120,5 @@ def test_mixed_load_has_no_failures(service: RunningService, tmp_path: Path) -> 
     failed = +summary.failures_by_endpoint  # only the endpoints with failures
     assert summary.failures == 0, f"{summary.failures} failed requests {dict(failed)}:\n{output[-3000:]}"
     assert completed.returncode == 0, f"locust exited {completed.returncode}:\n{output[-3000:]}"
-    assert summary.requests >= MIN_REQUESTS_PER_SECOND * LOAD_SECONDS, summary
     missing = [name for name in REQUIRED_ENDPOINTS if not summary.requests_by_endpoint.get(name)]
     assert not missing, f"no traffic to {missing}: {summary.requests_by_endpoint}"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import statistics
 import subprocess
 import time
 import uuid
@@ -57,6 +56,17 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServic
 
 def run(scenario: Callable[[], Coroutine[Any, Any, T]]) -> T:
     return asyncio.run(scenario())
+
+
+# Hang guard, not a speed bound: every call below has its own deadline of a few seconds (socket timeouts,
+# Milvus' timeout_s, a lock's blocking timeout); pymilvus' own retries, the failure these guard against,
+# take minutes. Speed is measured by bench/stores.py.
+HANG_GUARD_S = 60.0
+
+
+async def settle(awaitable: Awaitable[T]) -> T:
+    """The awaitable's outcome; TimeoutError if it hangs past HANG_GUARD_S."""
+    return await asyncio.wait_for(awaitable, HANG_GUARD_S)
 
 
 def prefix() -> str:
@@ -234,8 +244,8 @@ def test_claim_blocks_until_an_entry_arrives(servers: EmbeddedServices) -> None:
         store = RedisTransactionStore(redis, prefix=prefix())
         try:
             started = time.monotonic()
-            assert await store.claim("w", count=1, block_ms=1200) == []
-            assert 1.1 < time.monotonic() - started < 2.5
+            assert await settle(store.claim("w", count=1, block_ms=1200)) == []
+            assert time.monotonic() - started > 1.1  # it did wait (longer than one blocking read)
             tx = make_tx()
             waiting = asyncio.create_task(store.claim("w", count=1, block_ms=3000))
             await asyncio.sleep(0.1)
@@ -248,7 +258,7 @@ def test_claim_blocks_until_an_entry_arrives(servers: EmbeddedServices) -> None:
     run(scenario)
 
 
-def test_wait_final_latency_and_timeout(servers: EmbeddedServices) -> None:
+def test_wait_final_wakes_on_completion_and_times_out(servers: EmbeddedServices) -> None:
     async def scenario() -> None:
         waiter_redis = connect_redis(str(servers.redis_url))
         worker_redis = connect_redis(str(servers.redis_url))  # as in production: another connection
@@ -258,22 +268,16 @@ def test_wait_final_latency_and_timeout(servers: EmbeddedServices) -> None:
             RedisTransactionStore(worker_redis, prefix=p),
         )
         try:
-            latencies = []
-            for _ in range(40):
+            # The wake-up latency is measured by bench/stores.py; here: a blocked waiter wakes up with the
+            # final state long before its own timeout, every time.
+            for _ in range(10):
                 tx = make_tx()
                 await waiters.create_and_enqueue(tx)
-                waiting = asyncio.create_task(waiters.wait_final(tx.reference_id, 5.0))
+                waiting = asyncio.create_task(waiters.wait_final(tx.reference_id, 3600.0))
                 await asyncio.sleep(0.01)  # let it block
-                completed_at = time.perf_counter()
                 await worker.complete(tx.reference_id, {"ok": True})
-                final = await waiting
-                latencies.append((time.perf_counter() - completed_at) * 1000)
+                final = await settle(waiting)
                 assert final is not None and final.state is TransactionState.COMPLETED
-            p50 = statistics.median(latencies)
-            p95 = sorted(latencies)[int(len(latencies) * 0.95) - 1]
-            n = len(latencies)
-            print(f"\nwait_final wake-up after complete(): p50 {p50:.2f} ms, p95 {p95:.2f} ms, n={n}")
-            assert p50 < 25
 
             # Already final: immediate. Two waiters on one transaction: both wake.
             tx = make_tx()
@@ -284,18 +288,18 @@ def test_wait_final_latency_and_timeout(servers: EmbeddedServices) -> None:
             await worker.fail(tx.reference_id, "boom")
             done = await asyncio.wait_for(asyncio.gather(first, second), 2)
             assert [t.state if t else None for t in done] == [TransactionState.FAILED] * 2
-            started = time.monotonic()
-            assert (await waiters.wait_final(tx.reference_id, 5.0)).state is TransactionState.FAILED  # type: ignore[union-attr]
-            assert time.monotonic() - started < 0.1
+            # Already final: answered at once, not after its (hour-long) timeout.
+            again = await settle(waiters.wait_final(tx.reference_id, 3600.0))
+            assert again is not None and again.state is TransactionState.FAILED
 
             # Not final in time: the latest state after the timeout, longer than one blocking chunk.
             slow = make_tx()
             await waiters.create_and_enqueue(slow)
             await worker.mark_processing(slow.reference_id)
             started = time.monotonic()
-            latest = await waiters.wait_final(slow.reference_id, 0.5)
+            latest = await settle(waiters.wait_final(slow.reference_id, 0.5))
             assert latest is not None and latest.state is TransactionState.PROCESSING
-            assert 0.45 < time.monotonic() - started < 1.5
+            assert time.monotonic() - started > 0.45  # it waited its timeout out
             assert await waiters.wait_final("unknown", 1.0) is None
         finally:
             await waiter_redis.aclose()
@@ -334,10 +338,8 @@ def test_redis_restart_keeps_data_and_outage_is_backend_unavailable(tmp_path: Pa
                 await store.create_and_enqueue(tx)
                 await asyncio.to_thread(server.stop)
 
-                started = time.monotonic()
                 with pytest.raises(BackendUnavailable, match="Redis is unavailable"):
-                    await store.get(tx.reference_id)
-                assert time.monotonic() - started < 5
+                    await settle(store.get(tx.reference_id))
 
                 await asyncio.to_thread(server.start)  # same data dir, same port
                 assert await store.get(tx.reference_id) == tx  # the old client reconnects by itself
@@ -382,10 +384,8 @@ def test_redis_down_fails_fast_in_every_store() -> None:
         ]
         try:
             for call in calls:
-                started = time.monotonic()
                 with pytest.raises(BackendUnavailable, match="Redis is unavailable"):
-                    await call()
-                assert time.monotonic() - started < 5
+                    await settle(call())
             with pytest.raises(BackendUnavailable):
                 async with records.reference_lock("t", "r", 1.0):
                     pass
@@ -475,11 +475,13 @@ def test_reference_lock_serialises_and_times_out(servers: EmbeddedServices) -> N
             async with store.reference_lock("tenant-a", "ref-1", 2.0):
                 async with store.reference_lock("tenant-a", "ref-2", 0.5):
                     pass
-                started = time.monotonic()
-                with pytest.raises(BackendUnavailable, match="lock"):
+
+                async def take_held_lock() -> None:
                     async with store.reference_lock("tenant-a", "ref-1", 0.3):
                         pass
-                assert time.monotonic() - started < 2
+
+                with pytest.raises(BackendUnavailable, match="lock"):
+                    await settle(take_held_lock())
         finally:
             await redis.aclose()
 
@@ -575,16 +577,12 @@ def test_gallery_add_search_isolation_delete(servers: EmbeddedServices) -> None:
         store = gallery(servers)
         rng = np.random.default_rng(7)
         try:
-            tricky = 'he said "hi" \\ and \'bye\' \\" ) or tenant_id != "'
-            a = [GalleryEntry(uuid.uuid4().hex, "tenant-a", ref, "v1", vector(rng), time.time())
-                 for ref in (tricky, None, "plain")]  # fmt: skip
-            b = [
-                GalleryEntry(uuid.uuid4().hex, "tenant-b", "plain", "v1", a[0].embedding.copy(), time.time())
-            ]
+            a = [GalleryEntry(uuid.uuid4().hex, "tenant-a", "v1", vector(rng), time.time()) for _ in range(3)]
+            b = [GalleryEntry(uuid.uuid4().hex, "tenant-b", "v1", a[0].embedding.copy(), time.time())]
             await store.add(a[:1])
             # Visible to the very next search (Strong consistency).
             first = await store.search("tenant-a", a[0].embedding, 5, 0.6)
-            assert [(m.face_id, m.client_reference) for m in first] == [(a[0].face_id, tricky)]
+            assert [m.face_id for m in first] == [a[0].face_id]
             assert first[0].distance == pytest.approx(0.0, abs=1e-3)
 
             await store.add(a[1:] + b)
@@ -595,7 +593,6 @@ def test_gallery_add_search_isolation_delete(servers: EmbeddedServices) -> None:
             matches = await store.search("tenant-a", probe, 10, 100.0)
             assert matches[0].face_id == a[1].face_id
             assert {m.face_id for m in matches} == {e.face_id for e in a}  # never tenant-b's twin
-            assert matches[0].client_reference is None
             expected = float(np.linalg.norm(probe - a[1].embedding))
             assert matches[0].distance == pytest.approx(expected, rel=1e-3)  # Euclidean, not squared
             assert [m.distance for m in matches] == sorted(m.distance for m in matches)
@@ -615,7 +612,40 @@ def test_gallery_add_search_isolation_delete(servers: EmbeddedServices) -> None:
             with pytest.raises(ValueError):
                 await store.search('tenant-a" or tenant_id != "x', probe, 10, 100.0)
             with pytest.raises(ValueError):
-                await store.add([GalleryEntry("f", "tenant-a", None, "v1", np.zeros(64, np.float32), 0.0)])
+                await store.add([GalleryEntry("f", "tenant-a", "v1", np.zeros(64, np.float32), 0.0)])
+        finally:
+            await store.close()
+
+    run(scenario)
+
+
+def test_gallery_keeps_working_on_a_collection_with_the_old_reference_column(
+    servers: EmbeddedServices,
+) -> None:
+    """Collections created before client_reference moved to Redis have a VARCHAR(256) column for it; the
+    store fills it with "" so those collections keep accepting rows without a migration."""
+    from pymilvus import DataType, MilvusClient
+
+    name = f"faces_{uuid.uuid4().hex[:8]}"
+    admin = MilvusClient(uri=str(servers.milvus_uri))
+    schema = admin.create_schema(auto_id=False, enable_dynamic_field=False)
+    schema.add_field("face_id", DataType.VARCHAR, max_length=64, is_primary=True)
+    schema.add_field("tenant_id", DataType.VARCHAR, max_length=64)
+    schema.add_field("client_reference", DataType.VARCHAR, max_length=256)
+    schema.add_field("model_version", DataType.VARCHAR, max_length=64)
+    schema.add_field("created_at", DataType.INT64)
+    schema.add_field("embedding", DataType.FLOAT_VECTOR, dim=128)
+    index_params = admin.prepare_index_params()
+    index_params.add_index(field_name="embedding", index_type="FLAT", metric_type="L2")
+    admin.create_collection(name, schema=schema, index_params=index_params, consistency_level="Strong")
+    admin.close()
+
+    async def scenario() -> None:
+        store = MilvusGalleryStore(str(servers.milvus_uri), collection=name)
+        entry = GalleryEntry("face-1", "tenant-a", "v1", vector(np.random.default_rng(3)), time.time())
+        try:
+            await store.add([entry])
+            assert [m.face_id for m in await store.search("tenant-a", entry.embedding, 5, 0.6)] == ["face-1"]
         finally:
             await store.close()
 
@@ -629,16 +659,12 @@ def test_milvus_restart_keeps_vectors_and_outage_is_backend_unavailable(tmp_path
 
         async def scenario() -> None:
             store = MilvusGalleryStore(server.uri, timeout_s=2.0)
-            entry = GalleryEntry(
-                "face-1", "tenant-a", "ref", "v1", vector(np.random.default_rng(1)), time.time()
-            )
+            entry = GalleryEntry("face-1", "tenant-a", "v1", vector(np.random.default_rng(1)), time.time())
             try:
                 await store.add([entry])
                 await asyncio.to_thread(server.stop)
-                started = time.monotonic()
                 with pytest.raises(BackendUnavailable, match="Milvus is unavailable"):
-                    await store.search("tenant-a", entry.embedding, 1, 1.0)
-                assert time.monotonic() - started < 5
+                    await settle(store.search("tenant-a", entry.embedding, 1, 1.0))
 
                 await asyncio.to_thread(server.start)  # same data dir, same port
                 # The same store recovers at once; the vector inserted before the restart is there.
@@ -660,10 +686,8 @@ def test_milvus_unreachable_fails_fast() -> None:
             lambda: store.count(),
             lambda: store.all_face_ids(),
         ):
-            started = time.monotonic()
             with pytest.raises(BackendUnavailable, match="Milvus is unavailable"):
-                await call()
-            assert time.monotonic() - started < 5
+                await settle(call())
 
     run(scenario)
 

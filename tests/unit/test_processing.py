@@ -551,3 +551,20 @@ def test_a_final_transaction_is_not_processed_again() -> None:
         assert len(world.analysis.calls) == 1
 
     asyncio.run(scenario())
+
+
+def test_match_references_come_from_the_face_records_and_vectors_without_a_record_never_match() -> None:
+    async def scenario() -> None:
+        world = World()
+        reference = "顔認証" * 80 + "😀🧑‍🚀"  # 242 characters, over 700 UTF-8 bytes
+        world.analysis.faces_by_color[RED] = [face(embedding(1))]
+        await world.enrol(TENANT, "kept", at_distance(embedding(1), 0.1), client_reference=reference)
+        debris = await world.enrol(TENANT, "debris", at_distance(embedding(1), 0.05, seed=1))
+        await world.record_store.delete(TENANT, debris.face_id)  # a removal interrupted after the record
+        probe = await submit_search(world, RED, enroll_face=False)
+        await world.processor().process(probe.reference_id)
+        [(face_id, _score, returned)] = [tuple(entry) for entry in matched(world, probe)]
+        assert face_id == "kept"
+        assert isinstance(returned, str) and returned.encode() == reference.encode()
+
+    asyncio.run(scenario())

@@ -34,7 +34,7 @@ async def record_only(world: World, tenant_id: str, face_id: str, age_s: float) 
 
 async def vector_only(world: World, tenant_id: str, face_id: str) -> None:
     """What a removal interrupted after deleting the vector's record would leave (debris)."""
-    entry = GalleryEntry(face_id, tenant_id, None, "unit-test-v1", embedding(len(face_id)), time.time())
+    entry = GalleryEntry(face_id, tenant_id, "unit-test-v1", embedding(len(face_id)), time.time())
     await world.gallery.add([entry])
 
 
@@ -107,5 +107,38 @@ def test_a_consistent_store_is_left_untouched() -> None:
         assert await world.gallery.all_face_ids() == before_records
         assert world.blobs.items == before_blobs
         assert world.faults.calls.get("gallery.delete", 0) == 0
+
+    asyncio.run(scenario())
+
+
+def test_orphaned_blobs_older_than_the_grace_period_are_swept_and_referenced_ones_kept() -> None:
+    async def scenario() -> None:
+        from serve_app.pipelines.commands import FaceSearchCommand
+        from tests.unit.fakes import solid_png
+
+        world = World()
+        proof = await world.enrol("tenant-a", "whole", embedding(1))
+        queued = await world.transaction_service().create_face_search(
+            FaceSearchCommand("tenant-a", solid_png((1, 2, 3)), None, allow_override=False, enroll_face=True)
+        )
+        await world.blobs.put("uploads/tenant-a/never-enqueued", b"x", "image/png")  # ingress crashed
+        await world.blobs.put("uploads/tenant-a/fresh-orphan", b"x", "image/png")
+        for key in (proof.proof_key, queued.image_key, "uploads/tenant-a/never-enqueued"):
+            world.blobs.written_at[key] -= 7200
+
+        report = await reconcile(
+            world.record_store,
+            world.gallery,
+            world.blobs,
+            grace_s=GRACE_S,
+            transactions=world.transactions,
+            orphan_grace_s=3600,
+        )
+        assert report.blobs_removed == 1
+        assert set(world.blobs.items) == {
+            proof.proof_key,
+            queued.image_key,
+            "uploads/tenant-a/fresh-orphan",
+        }
 
     asyncio.run(scenario())

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
+from serve_app.domain.errors import BackendRejected
 from serve_app.domain.transactions import Transaction, TransactionState
 from serve_app.pipelines.commands import FaceSearchCommand
 from serve_app.pipelines.worker import QueueWorker, WorkerPolicy
@@ -113,13 +114,13 @@ def test_a_saturated_worker_never_asks_the_queue_for_zero_entries(caplog: pytest
             await wait_until(lambda: world.analysis.started == 2, what="the worker to fill up")
             await asyncio.sleep(0.1)  # ten reclaim periods while every slot is taken
             world.analysis.gate.set()
-            await wait_until(
-                lambda: len(world.queue.acked) == 3, timeout_s=0.4, what="all three acknowledged"
-            )
+            await wait_until(lambda: len(world.queue.acked) == 3, what="all three acknowledged")
         assert all(state(world, tx) is TransactionState.COMPLETED for tx in transactions)
+        assert world.faults.calls.get("queue.reclaim_stale", 0) >= 1
 
     with caplog.at_level(logging.WARNING, logger="serve_app.pipelines.worker"):
         asyncio.run(scenario())
+    # A request for zero entries would have been refused (BackendUnavailable, logged, then a backoff).
     assert "COUNT must be > 0" not in caplog.text
 
 
@@ -284,5 +285,28 @@ def test_a_backend_outage_requeues_with_a_fresh_delivery_count_and_never_fails()
             await wait_until(lambda: state(world, tx) is TransactionState.COMPLETED, what="completed")
         assert world.queue.requeued.count(tx.reference_id) == outages
         assert all(entry.deliveries == 1 for entry in world.queue.deliveries)
+
+    asyncio.run(scenario())
+
+
+def test_a_backend_rejecting_a_transaction_counts_as_failed_attempts_and_ends_failed() -> None:
+    """A request a backend refuses every time (not an outage) must end `failed`, not be requeued forever."""
+
+    async def scenario() -> None:
+        world = new_world()
+        assert isinstance(world.queue_clock, ManualClock)
+        world.faults.arm("gallery.search", times=100, error=BackendRejected("Milvus refused the request"))
+        tx = await submit(world)
+        entry_id = world.transactions.entry_of[tx.reference_id]
+        worker = make_worker(world)
+        async with running(worker):
+            for attempt in range(1, FAST.max_deliveries + 1):
+                await wait_until(attempt_done(world, worker, attempt), what=f"attempt {attempt}")
+                world.queue_clock.advance(FAST.stale_after_s)
+            await wait_until(lambda: world.queue.acked == [entry_id], what="the entry acknowledged")
+        final = world.transactions.peek(tx.reference_id)
+        assert final.state is TransactionState.FAILED
+        assert world.queue.requeued == []
+        assert len(world.analysis.calls) == FAST.max_deliveries
 
     asyncio.run(scenario())

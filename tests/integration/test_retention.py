@@ -1,0 +1,143 @@
+"""Retention against the real stores: redis-server and milvus-lite (serve_app.embedded) and a blob
+directory, wired by serve_app.wiring exactly as the deployments wire them; only the models are scripted.
+
+Round after round of transactions (overrides of the same few references, searches and age estimations
+that do not enrol, an orphaned upload each round) must leave Redis and the blob directory the same size
+once the short retention has passed and the reconcile pass every worker runs has swept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from serve_app.domain.transactions import TransactionState
+from serve_app.embedded import EmbeddedServices
+from serve_app.pipelines.commands import AgeEstimationCommand, FaceSearchCommand
+from serve_app.pipelines.reconcile import reconcile
+from serve_app.pipelines.transactions import TransactionService
+from serve_app.settings import Settings
+from serve_app.stores.blobs import LocalBlobStore
+from serve_app.wiring import build_worker, gallery_store, redis_stores
+from tests.unit.fakes import Color, ScriptedAnalysis, embedding, face, solid_png
+
+TENANT = "tenant-retention"
+RETENTION_S = 1
+REFERENCES: dict[str, Color] = {
+    "customer-0001": (200, 0, 0),
+    "顧客-0002": (0, 200, 0),
+    "😀-0003": (0, 0, 200),
+}
+ROUNDS = 5
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServices]:
+    services = EmbeddedServices(tmp_path_factory.mktemp("retention"))
+    services.start()
+    try:
+        yield services
+    finally:
+        services.stop()
+
+
+def blob_files(directory: Path) -> int:
+    return sum(1 for path in directory.rglob("*") if path.is_file() and path.suffix != ".type")
+
+
+def test_redis_keys_and_blob_files_stay_bounded_over_many_transactions(
+    servers: EmbeddedServices, tmp_path: Path
+) -> None:
+    settings = Settings(
+        data_dir=tmp_path,
+        redis_url=servers.redis_url,
+        milvus_uri=servers.milvus_uri,
+        milvus_token="",
+        secret_key="retention-test-secret-0123456789",
+        production=False,
+        public_base_url=None,
+        key_prefix=f"r{uuid.uuid4().hex[:8]}:",
+        blob_dir=tmp_path / "blobs",
+        transaction_retention_s=RETENTION_S,
+        orphan_upload_grace_s=0,
+    )
+    analysis = ScriptedAnalysis()
+    for index, color in enumerate(REFERENCES.values()):
+        analysis.faces_by_color[color] = [face(embedding(index), age=30)]
+
+    async def scenario() -> list[tuple[int, int]]:
+        stores = redis_stores(settings)
+        redis = stores.transactions._redis
+        blobs = LocalBlobStore(settings.blob_dir)
+        gallery = gallery_store(settings)
+        service = TransactionService(stores.transactions, blobs, settings.max_image_pixels)
+        worker, _ = build_worker(settings, analysis, "retention-worker")
+        stop = asyncio.Event()
+        running = asyncio.create_task(worker.run(stop))
+
+        async def redis_keys() -> int:
+            keys = [key async for key in redis.scan_iter(match=f"{settings.key_prefix}*", count=1000)]
+            # EXISTS expires a key whose time has come even before Redis' background cycle gets to it.
+            return sum([int(await redis.exists(key)) for key in keys])
+
+        sizes: list[tuple[int, int]] = []
+        try:
+            for round_ in range(ROUNDS):
+                submitted = []
+                for reference, color in REFERENCES.items():
+                    submitted.append(
+                        await service.create_face_search(
+                            FaceSearchCommand(TENANT, solid_png(color), reference, True, True)
+                        )
+                    )
+                for color in list(REFERENCES.values())[:2]:
+                    submitted.append(
+                        await service.create_face_search(
+                            FaceSearchCommand(TENANT, solid_png(color), None, False, False)
+                        )
+                    )
+                    submitted.append(
+                        await service.create_age_estimation(
+                            AgeEstimationCommand(TENANT, solid_png(color), enroll_face=False)
+                        )
+                    )
+                # All waiting at once: a final transaction is gone RETENTION_S after it completed.
+                finals = await asyncio.gather(
+                    *(stores.transactions.wait_final(tx.reference_id, 30) for tx in submitted)
+                )
+                assert [tx.state if tx else None for tx in finals] == [TransactionState.COMPLETED] * 7
+                # An upload whose transaction was never created (the ingress died in between).
+                await blobs.put(f"uploads/{TENANT}/orphan-{round_}", b"\x89PNG", "image/png")
+                await asyncio.sleep(RETENTION_S + 0.5)
+                report = await reconcile(
+                    stores.records,
+                    gallery,
+                    blobs,
+                    transactions=stores.transactions,
+                    orphan_grace_s=settings.orphan_upload_grace_s,
+                )
+                assert report.blobs_removed == 1  # this round's orphan
+                sizes.append((await redis_keys(), blob_files(settings.blob_dir)))
+            records = await stores.records.all_face_ids(TENANT)
+            assert len(records) == len(REFERENCES)  # every override replaced the face before it
+            tx_keys = [key async for key in redis.scan_iter(match=f"{settings.key_prefix}tx:*")]
+            assert [key for key in tx_keys if await redis.exists(key)] == [
+                # the counters and the (empty) stream, never a transaction
+                key
+                for key in tx_keys
+                if key.endswith(("tx:counts", "tx:queue")) and await redis.exists(key)
+            ]
+        finally:
+            stop.set()
+            await asyncio.wait_for(running, 30)
+            await gallery.close()
+        return sizes
+
+    sizes = asyncio.run(scenario())
+    print(f"\n(redis keys, blob files) after each of {ROUNDS} rounds: {sizes}")
+    assert sizes == [sizes[0]] * ROUNDS
+    assert sizes[0][1] == len(REFERENCES)  # one proof per reference, no upload, no replaced proof
