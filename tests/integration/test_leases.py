@@ -149,7 +149,7 @@ def test_renewing_restarts_idle_time_without_counting_a_delivery_and_never_steal
             assert reclaimed.entry_id == theirs.entry_id and reclaimed.deliveries == 2
             # a lost `theirs`: renewing it does not take it back from b.
             assert await store.renew("a", [mine.entry_id, theirs.entry_id]) == [mine.entry_id]
-            pending = await redis.xpending_range(f"{p}tx:queue", "workers", min="-", max="+", count=10)
+            pending = await redis.xpending_range(f"{p}sys:tx-queue", "workers", min="-", max="+", count=10)
             by_id = {row["message_id"]: (row["consumer"], row["times_delivered"]) for row in pending}
             assert by_id == {mine.entry_id: ("a", 1), theirs.entry_id: ("b", 2)}
         finally:
