@@ -37,12 +37,16 @@ from models.age import (
 )
 from models.align import FaceAligner
 from models.arrays import to_rgb
+from models.calibration import FaceScoreCalibration
+from models.chips import CHIP_SIZE as SFACE_CHIP_SIZE
+from models.chips import aligned_chips
 from models.convert import CHIP_SIZE as DESCRIPTOR_CHIP_SIZE
 from models.convert import ensure_descriptor_model
 from models.detector import DetectorOptions, FaceDetector, LetterboxedImage, letterbox
-from models.embedder import FaceEmbedder
-from models.quality import DEFAULT_QUALITY_THRESHOLDS, QualityThresholds, assess_image_faces
+from models.embedder import FaceEmbedder, FusedEmbedder, SFaceEmbedder
+from models.quality import DEFAULT_QUALITY_THRESHOLDS, QualityThresholds, assess_quality
 from models.sessions import DEFAULT_PROVIDER_PREFERENCE, SessionOptions
+from models.sface import ensure_sface_model
 from models.types import AgeEstimate, AnalyzedFace, DetectedFace, FaceQuality
 from models.weights import resolve
 
@@ -98,8 +102,14 @@ class ModelConfig:
     def load_cropper(self) -> FaceCropper:
         return FaceCropper(FaceAligner(resolve("dlib_shape5")))
 
-    def load_embedder(self) -> FaceEmbedder:
-        return FaceEmbedder(ensure_descriptor_model(self.models_dir), self.session_options())
+    def load_embedder(self) -> FusedEmbedder:
+        """Face model v2: dlib ResNet and SFace, fused into one vector with the calibrated weights."""
+        options = self.session_options()
+        return FusedEmbedder(
+            FaceEmbedder(ensure_descriptor_model(self.models_dir), options),
+            SFaceEmbedder(ensure_sface_model(self.models_dir), options),
+            FaceScoreCalibration.load(),
+        )
 
     def load_age_estimator(self) -> AgeEstimator:
         return AgeEstimator(resolve("age_v1"), self.session_options(), self.minor_policy)
@@ -115,9 +125,12 @@ class ModelConfig:
 class FaceCrops:
     """Aligned chips for the faces of one image, in detection order; None where the stage was not asked."""
 
-    descriptor_chips: np.ndarray | None  # uint8 [F, 150, 150, 3] RGB
+    descriptor_chips: np.ndarray | None  # uint8 [F, 150, 150, 3] RGB (dlib)
     age_chips: np.ndarray | None  # uint8 [F, V, 64, 64, 3] RGB, V = AGE_VIEWS_PER_FACE
     qualities: tuple[FaceQuality, ...] = ()  # one per face, always measured (models.quality)
+    sface_chips: np.ndarray | None = (
+        None  # uint8 [F, 112, 112, 3] RGB, ArcFace-aligned (with descriptor_chips)
+    )
 
     @property
     def n_faces(self) -> int:
@@ -152,7 +165,12 @@ class FaceCropper:
         estimate_age: bool = True,
     ) -> FaceCrops:
         rgb = to_rgb(image)
-        qualities = tuple(assess_image_faces(rgb, list(faces), self.quality_thresholds))
+        # The 112 px ArcFace chips serve SFace and the quality gate's sharpness, so they are always cut.
+        sface_chips = aligned_chips(rgb, [face.landmarks for face in faces])
+        qualities = tuple(
+            assess_quality(face, chip, self.quality_thresholds)
+            for face, chip in zip(faces, sface_chips, strict=True)
+        )
         shapes = self.aligner.shapes(rgb, list(faces)) if faces and (embed or estimate_age) else []
         descriptor_chips = None
         if embed:
@@ -161,7 +179,12 @@ class FaceCropper:
         if estimate_age:
             per_padding = [self._chips(rgb, shapes, AGE_CHIP_SIZE, pad) for pad in AGE_CHIP_PADDINGS]
             age_chips = age_chip_views(per_padding, mirror=AGE_CHIP_MIRROR)
-        return FaceCrops(descriptor_chips=descriptor_chips, age_chips=age_chips, qualities=qualities)
+        return FaceCrops(
+            descriptor_chips=descriptor_chips,
+            age_chips=age_chips,
+            qualities=qualities,
+            sface_chips=sface_chips if embed else None,
+        )
 
     def _chips(self, rgb: np.ndarray, shapes: Sequence[Any], size: int, padding: float) -> np.ndarray:
         if not shapes:
@@ -190,7 +213,7 @@ class FaceAnalyzer:
         self,
         detector: FaceDetector,
         cropper: FaceCropper,
-        embedder: FaceEmbedder,
+        embedder: FusedEmbedder,
         age_estimator: AgeEstimator,
     ) -> None:
         self.detector = detector
@@ -210,10 +233,15 @@ class FaceAnalyzer:
     def infer(self, crops: Sequence[FaceCrops]) -> list[FaceResults]:
         """Descriptors and ages for the crops of many images: one embed run and one age run in all."""
         descriptor_sets = [c.descriptor_chips for c in crops if c.descriptor_chips is not None]
+        sface_sets = [c.sface_chips for c in crops if c.descriptor_chips is not None]
         age_sets = [c.age_chips for c in crops if c.age_chips is not None]
         embeddings: list[np.ndarray] = []
         if descriptor_sets:
-            descriptors = self.embedder.embed(np.concatenate(descriptor_sets))
+            if any(chips is None for chips in sface_sets):
+                raise ValueError("descriptor chips without their SFace chips")
+            descriptors = self.embedder.embed(
+                np.concatenate(descriptor_sets), np.concatenate([c for c in sface_sets if c is not None])
+            )
             embeddings = _chunks(descriptors, [len(chips) for chips in descriptor_sets])
         ages: list[list[AgeEstimate]] = []
         if age_sets:
@@ -268,7 +296,10 @@ class FaceAnalyzer:
         """Health check: one tiny run through every model; raises whatever a broken session raises."""
         blank = np.zeros((64, 64, 3), dtype=np.uint8)
         self.detector.detect([blank])
-        self.embedder.embed(np.zeros((1, DESCRIPTOR_CHIP_SIZE, DESCRIPTOR_CHIP_SIZE, 3), dtype=np.uint8))
+        self.embedder.embed(
+            np.zeros((1, DESCRIPTOR_CHIP_SIZE, DESCRIPTOR_CHIP_SIZE, 3), dtype=np.uint8),
+            np.zeros((1, SFACE_CHIP_SIZE, SFACE_CHIP_SIZE, 3), dtype=np.uint8),
+        )
         views = np.zeros((1, AGE_VIEWS_PER_FACE, AGE_CHIP_SIZE, AGE_CHIP_SIZE, 3), dtype=np.uint8)
         self.age_estimator.estimate(views)
 

@@ -306,7 +306,7 @@ def descriptor_model_name(source_sha256: str) -> str:
     return f"{WEIGHT_NAME}-{source_sha256[:16]}.onnx"
 
 
-def _write_atomically(target: Path, payload: bytes) -> None:
+def write_atomically(target: Path, payload: bytes) -> None:
     # Same-directory temp file + rename: readers (other workers, a concurrent install) see either no
     # file or a complete one, never a partial write.
     fd, temp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
@@ -335,14 +335,15 @@ def ensure_descriptor_model(models_dir: Path | None = None) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     logger.info("converting %s to %s", source, target)
     model = build_descriptor_model(read_dnn(source))
-    _write_atomically(target, model.SerializeToString())
+    write_atomically(target, model.SerializeToString())
     return target
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m models.convert",
-        description="Convert dlib's ResNet face descriptor to ONNX (cached; run at install/build time).",
+        description="Convert dlib's ResNet face descriptor to ONNX and SFace to a runnable graph "
+        "(cached; run at install/build time).",
     )
     parser.add_argument(
         "--models-dir",
@@ -351,7 +352,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="cache directory (default: $FACESEARCH_MODELS_DIR, else ~/.cache/facesearch/models)",
     )
     args = parser.parse_args(argv)
+    from models.sface import ensure_sface_model  # imports this module: import here, not at the top
+
     print(ensure_descriptor_model(args.models_dir))
+    print(ensure_sface_model(args.models_dir))
     return 0
 
 

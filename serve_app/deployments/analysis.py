@@ -1,7 +1,9 @@
 """Analysis across the separate detector, embedder and age deployments (the GPU topology).
 
 The worker letterboxes and aligns locally, so only fixed-size arrays cross the handles: a uint8 640x640
-letterboxed image to the detector, 150 px and 64 px chips to the embedder and the age model.
+letterboxed image to the detector, 150 px (dlib) and 112 px (SFace) chips to the embedder, 64 px chips
+to the age model. Each model runs only when the transaction needs it (face search: no age model; age
+estimation: embedders only when enrolling).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from ray.serve.handle import DeploymentHandle
 
 from models.analyzer import ModelConfig
 from models.types import AnalyzedFace, DetectedFace
+from serve_app.deployments.models import DescriptorChips
 
 
 class SplitAnalysis:
@@ -36,12 +39,15 @@ class SplitAnalysis:
         faces: list[DetectedFace] = await self._detector.detect.remote(letterboxed)
         if not faces:
             return []
-        crops = await asyncio.to_thread(self._cropper, image, faces)
+        crops = await asyncio.to_thread(self._cropper, image, faces, embed, estimate_age)
         embeddings: Any = None
         ages: Any = None
         calls = []
         if embed:
-            calls.append(self._embedder.embed.remote(crops.descriptor_chips))
+            assert crops.descriptor_chips is not None and crops.sface_chips is not None
+            calls.append(
+                self._embedder.embed.remote(DescriptorChips(crops.descriptor_chips, crops.sface_chips))
+            )
         if estimate_age:
             calls.append(self._age.estimate.remote(crops.age_chips))
         results = list(await asyncio.gather(*calls))

@@ -12,6 +12,7 @@ from typing import Any
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from models.embedder import MODEL_VERSION
 from models.types import AnalyzedFace
 from serve_app.deployments.analysis import SplitAnalysis
 from serve_app.deployments.metrics import WorkerMetrics
@@ -97,7 +98,7 @@ class TransactionWorker:
         while not self._stop.is_set():
             await asyncio.sleep(RECONCILE_EVERY_S)
             try:
-                report = await reconcile(self._stores.records, gallery, blobs)
+                report = await reconcile(self._stores.records, gallery, blobs, model_version=MODEL_VERSION)
                 logger.info("reconciliation: %s", report)
             except Exception as error:  # a backend outage: try again next round
                 logger.warning("reconciliation failed: %r", error)

@@ -33,7 +33,7 @@ class GalleryEntry:
     tenant_id: str
     client_reference: str | None
     model_version: str
-    embedding: np.ndarray  # float32 [128]
+    embedding: np.ndarray  # float32 unit vector of the gallery's model version
     created_at: float
 
 
@@ -41,4 +41,4 @@ class GalleryEntry:
 class GalleryMatch:
     face_id: str
     client_reference: str | None
-    distance: float  # Euclidean distance between descriptors
+    similarity: float  # cosine between the probe's and the enrolled face's vectors (same model version)

@@ -8,7 +8,6 @@ from collections.abc import Callable
 
 import pytest
 
-from models.scoring import distance_from_score, score_from_distance
 from serve_app.domain.errors import BackendUnavailable
 from serve_app.domain.transactions import Transaction, TransactionState
 from serve_app.pipelines.commands import AgeEstimationCommand, FaceSearchCommand
@@ -18,7 +17,7 @@ from tests.unit.fakes import (
     Color,
     NonExclusiveRecordStore,
     World,
-    at_distance,
+    at_cosine,
     embedding,
     face,
     solid_png,
@@ -80,7 +79,7 @@ def test_search_runs_before_enrolment_so_a_probe_never_matches_itself() -> None:
         assert record.model_version == TEST_POLICY.model_version
         assert first.image_key in world.blobs.items  # the upload is now the proof image
 
-        # The same face again matches the first enrolment (distance 0), never its own new one.
+        # The same face again matches the first enrolment (cosine 1), never its own new one.
         second = await submit_search(world, RED)
         await world.processor().process(second.reference_id)
         assert matched(world, second) == [[own, pytest.approx(1.0, abs=1e-4), "customer-1"]]
@@ -92,11 +91,13 @@ def test_search_runs_before_enrolment_so_a_probe_never_matches_itself() -> None:
 def test_matches_are_the_tenants_own_closest_first_within_the_minimum_score() -> None:
     async def scenario() -> None:
         world = World(policy=dataclasses.replace(TEST_POLICY, max_matches=3))
+        calibration = TEST_POLICY.calibration
         probe = embedding(1)
-        distances = {"near": 0.1, "mid": 0.3, "edge": 0.55, "far": 0.65, "farther": 0.9}
-        for index, (face_id, distance) in enumerate(distances.items()):
+        edge = calibration.cosine_for_score(0.5)  # TEST_POLICY's minimum score
+        cosines = {"near": 0.98, "mid": 0.9, "edge": edge + 0.002, "far": edge - 0.002, "farther": 0.5}
+        for index, (face_id, cosine) in enumerate(cosines.items()):
             reference = None if face_id == "mid" else f"ref-{face_id}"
-            await world.enrol(TENANT, face_id, at_distance(probe, distance, index), reference)
+            await world.enrol(TENANT, face_id, at_cosine(probe, cosine, index), reference)
         await world.enrol(OTHER_TENANT, "foreign", probe, "someone-else")  # identical, other tenant
         world.analysis.faces_by_color[RED] = [face(probe)]
 
@@ -108,14 +109,14 @@ def test_matches_are_the_tenants_own_closest_first_within_the_minimum_score() ->
         assert [entry[2] for entry in result] == ["ref-near", "", "ref-edge"]
         scores = [float(str(entry[1])) for entry in result]
         assert all(isinstance(entry[1], float) for entry in result)
-        expected = [score_from_distance(distances[str(entry[0])]) for entry in result]
+        expected = [calibration.score(cosines[str(entry[0])]) for entry in result]
         assert scores == pytest.approx(expected, abs=1e-4)
         assert all(0.5 <= score <= 1.0 for score in scores)
         assert scores == sorted(scores, reverse=True)
-        tenant, limit, radius = world.gallery.searches[-1]
+        tenant, limit, min_similarity = world.gallery.searches[-1]
         assert tenant == TENANT
         assert limit == 4  # one extra in case the transaction's own face is among them
-        assert radius == pytest.approx(distance_from_score(0.5)) == pytest.approx(0.6)
+        assert min_similarity == pytest.approx(edge)
 
     asyncio.run(scenario())
 
@@ -125,7 +126,7 @@ def test_match_list_is_capped_at_max_matches() -> None:
         world = World(policy=dataclasses.replace(TEST_POLICY, max_matches=2))
         probe = embedding(1)
         for index in range(5):
-            await world.enrol(TENANT, f"face-{index}", at_distance(probe, 0.05 + 0.1 * index, index))
+            await world.enrol(TENANT, f"face-{index}", at_cosine(probe, 0.99 - 0.03 * index, index))
         world.analysis.faces_by_color[RED] = [face(probe)]
         tx = await submit_search(world, RED, enroll_face=False)
         await world.processor().process(tx.reference_id)
@@ -138,7 +139,7 @@ def test_retry_after_a_crash_between_enrolment_and_completion_enrols_once_and_sk
     async def scenario() -> None:
         world = World(policy=dataclasses.replace(TEST_POLICY, max_matches=1))
         probe = embedding(1)
-        await world.enrol(TENANT, "other", at_distance(probe, 0.2), "customer-2")
+        await world.enrol(TENANT, "other", at_cosine(probe, 0.95), "customer-2")
         world.analysis.faces_by_color[RED] = [face(probe)]
         tx = await submit_search(world, RED, client_reference="customer-1")
         own = enrolled_face_id(tx.reference_id)
@@ -154,7 +155,7 @@ def test_retry_after_a_crash_between_enrolment_and_completion_enrols_once_and_sk
         final = world.transactions.peek(tx.reference_id)
         assert final.state is TransactionState.COMPLETED
         assert final.attempts == 2
-        # The earlier attempt's face is at distance 0 and comes back from the gallery first; it is dropped,
+        # The earlier attempt's face is identical and comes back from the gallery first; it is dropped,
         # and max_matches=1 still leaves room for the real match.
         assert [entry[0] for entry in matched(world, tx)] == ["other"]
         assert world.gallery.face_ids(TENANT) == {"other", own}
@@ -400,7 +401,7 @@ def test_enroll_face_false_never_writes_to_the_gallery() -> None:
     async def scenario() -> None:
         world = World()
         probe = embedding(1)
-        await world.enrol(TENANT, "known", at_distance(probe, 0.2), "customer-7")
+        await world.enrol(TENANT, "known", at_cosine(probe, 0.95), "customer-7")
         adds_before = world.faults.calls.get("gallery.add", 0)
         puts_before = world.faults.calls.get("records.put", 0)
         world.analysis.faces_by_color[RED] = [face(probe, age=30)]

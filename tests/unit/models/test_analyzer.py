@@ -15,8 +15,9 @@ from models.analyzer import (
     largest_face,
     load_face_analyzer,
 )
+from models.calibration import FaceScoreCalibration
 from models.detector import DetectorOptions
-from models.scoring import DEFAULT_MATCH_DISTANCE
+from models.embedder import FUSED_DIM
 from models.types import AnalyzedFace, DetectedFace
 from tests.faces_dev import FacesDev, LabelledImage
 
@@ -39,9 +40,13 @@ def _probe(analyzer: FaceAnalyzer, image: np.ndarray) -> AnalyzedFace:
     return face
 
 
-def _distance(a: AnalyzedFace, b: AnalyzedFace) -> float:
+def _cosine(a: AnalyzedFace, b: AnalyzedFace) -> float:
     assert a.embedding is not None and b.embedding is not None
-    return float(np.linalg.norm(a.embedding - b.embedding))
+    return float(a.embedding @ b.embedding)
+
+
+# The default bar of a 100-face gallery: score 0.4, FMR 1e-4 on faces-calib.
+MATCH_COSINE = FaceScoreCalibration.load().cosine_for_score(0.4)
 
 
 @pytest.fixture(scope="module")
@@ -63,19 +68,19 @@ def test_same_person_within_threshold_and_different_people_beyond(
     same: list[tuple[str, str, float]] = []
     different: list[tuple[str, str, float]] = []
     for (item_a, face_a), (item_b, face_b) in itertools.combinations(identity_probes, 2):
-        pair = (item_a.path.name, item_b.path.name, round(_distance(face_a, face_b), 3))
+        pair = (item_a.path.name, item_b.path.name, round(_cosine(face_a, face_b), 4))
         (same if item_a.identity == item_b.identity else different).append(pair)
     assert len(same) >= 20 and len(different) >= 200
-    assert [pair for pair in same if pair[2] >= DEFAULT_MATCH_DISTANCE] == []
-    assert [pair for pair in different if pair[2] < DEFAULT_MATCH_DISTANCE] == []
+    assert [pair for pair in same if pair[2] < MATCH_COSINE] == []
+    assert [pair for pair in different if pair[2] >= MATCH_COSINE] == []
 
 
 def test_faces_carry_descriptor_and_age(identity_probes: list[tuple[LabelledImage, AnalyzedFace]]) -> None:
     for _, face in identity_probes:
-        assert face.embedding is not None and face.embedding.shape == (128,)
+        assert face.embedding is not None and face.embedding.shape == (FUSED_DIM,)
         assert face.embedding.dtype == np.float32
-        # dlib descriptors are not L2-normalised; measured norms 1.36-1.59.
-        assert 1.0 < float(np.linalg.norm(face.embedding)) < 2.0
+        # Face model v2 vectors are unit length (searched by inner product).
+        assert float(np.linalg.norm(face.embedding)) == pytest.approx(1.0, abs=1e-5)
         assert face.age is not None and 0 <= face.age.age <= 80
         assert face.detection.box.shape == (4,) and face.detection.area > 0
 
@@ -107,7 +112,7 @@ def test_grayscale_and_rgba_inputs(analyzer: FaceAnalyzer, rgb_photo: np.ndarray
     gray = np.asarray(Image.fromarray(rgb_photo).convert("L"))
     assert gray.ndim == 2
     for variant in (gray, gray[:, :, None]):
-        assert _distance(_probe(analyzer, variant), reference) < DEFAULT_MATCH_DISTANCE / 2
+        assert _cosine(_probe(analyzer, variant), reference) > 0.95
 
 
 def test_grayscale_dev_photo(faces_dev: FacesDev, analyzer: FaceAnalyzer) -> None:
@@ -139,7 +144,7 @@ def test_exif_rotated_jpeg(analyzer: FaceAnalyzer, rgb_photo: np.ndarray) -> Non
     assert restored.shape == rgb_photo.shape
     face = _probe(analyzer, restored)
     # Only JPEG re-compression separates this from the original photo.
-    assert _distance(face, _probe(analyzer, rgb_photo)) < 0.15
+    assert _cosine(face, _probe(analyzer, rgb_photo)) > 0.98
 
 
 def test_batch_equals_one_by_one(faces_dev: FacesDev, analyzer: FaceAnalyzer) -> None:

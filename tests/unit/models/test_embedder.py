@@ -97,8 +97,9 @@ def test_rejects_wrong_chip_layout(embedder: FaceEmbedder, bad: np.ndarray) -> N
         embedder.embed(bad)
 
 
-def test_model_version_constant() -> None:
-    assert MODEL_VERSION == "dlib_resnet_v1"
+def test_model_version_is_v2() -> None:
+    # v1 ("dlib_resnet_v1", 128-d dlib descriptors) vectors live in their own Milvus collection.
+    assert MODEL_VERSION == "face_v2_dlib_sface"
 
 
 def test_graph_has_dynamic_batch(model_path: Path) -> None:
@@ -138,9 +139,11 @@ def test_default_models_dir_from_environment(monkeypatch: pytest.MonkeyPatch, tm
     assert convert.default_models_dir() == Path.home() / ".cache" / "facesearch" / "models"
 
 
-def test_cli_prints_the_cached_path(model_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_prints_the_cached_paths(model_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert convert.main(["--models-dir", str(model_path.parent)]) == 0
-    assert capsys.readouterr().out.strip() == str(model_path)
+    lines = capsys.readouterr().out.split()
+    assert lines[0] == str(model_path)
+    assert Path(lines[1]).parent == model_path.parent and Path(lines[1]).name.startswith("sface_2021dec")
 
 
 def test_converter_rejects_a_different_topology() -> None:
