@@ -3,12 +3,13 @@
     python -m bench.vector_search [--sizes 100000 1000000] [--queries 200] [--index FLAT|IVF_FLAT]
                                   [--data-dir DIR]
 
-For each size N: a fresh collection gets N random unit 256-d vectors (face model v2) of one tenant plus
-1% more spread over three other tenants, inserted through MilvusGalleryStore (the service's code path,
-batches of 10,000); then `--queries` searches (top 10, near copies of stored vectors, after 10 untimed
-warm-up queries) run one at a time through the same store, as the worker does. Also timed: the same
-searches for a small tenant (N/300 faces) to show the cost of a selective tenant filter. The server runs in a temporary directory
-unless --data-dir is given, and is stopped at the end. Cores may be shared: compare rows of one run.
+For each size N: a fresh collection gets N random unit 256-d vectors (face model v2) of one tenant plus 1%
+more spread over three other tenants, inserted through MilvusGalleryStore (the service's code path, batches
+of 10,000); then `--queries` searches (top 10, near copies of stored vectors, after 10 untimed warm-up
+queries) run one at a time through the same store, as the worker does. Also timed: the same searches for a
+small tenant (N/300 faces) to show the cost of a selective tenant filter. The server runs in a temporary
+directory unless --data-dir is given, and is stopped at the end. Cores may be shared: compare rows of one
+run.
 """
 
 from __future__ import annotations
