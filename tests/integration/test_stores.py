@@ -451,6 +451,9 @@ def test_face_records(servers: EmbeddedServices) -> None:
             await store.put(old)
             await store.delete("tenant-a", new.face_id)  # idempotent
             assert await store.all_face_ids("tenant-a") == {("tenant-a", r.face_id) for r in (old, other)}
+            assert await store.count("tenant-a") == 2  # the gallery size behind the default minimum score
+            assert await store.count("tenant-b") == 1
+            assert await store.count("tenant-none") == 0
         finally:
             await redis.aclose()
 
@@ -734,5 +737,27 @@ def test_local_blob_store(tmp_path: Path) -> None:
         leftovers = [p for p in (tmp_path / "blobs").rglob("*") if p.is_file()]
         assert leftovers == []  # nothing written, no temp files left
         assert not (tmp_path / "etc").exists()
+
+    run(scenario)
+
+
+def test_client_search_settings_are_stored_and_cleared(servers: EmbeddedServices) -> None:
+    async def scenario() -> None:
+        redis = connect_redis(str(servers.redis_url))
+        store = RedisClientStore(redis, pepper=PEPPER, prefix=prefix())
+        try:
+            info, secret = await store.create("tenant")
+            assert (info.min_score, info.max_matches) == (None, None)
+            updated = await store.update_search_settings(info.client_id, min_score=0.62, max_matches=3)
+            assert updated is not None and (updated.min_score, updated.max_matches) == (0.62, 3)
+            assert await store.verify(info.client_id, secret) == updated  # the secret is untouched
+            [listed] = await store.list()
+            assert (listed.min_score, listed.max_matches) == (0.62, 3)
+            cleared = await store.update_search_settings(info.client_id, min_score=None, max_matches=3)
+            assert cleared is not None and (cleared.min_score, cleared.max_matches) == (None, 3)
+            assert await store.update_search_settings("cl_unknown", 0.5, None) is None
+            assert await store.get("cl_unknown") is None  # no record was created for it
+        finally:
+            await redis.aclose()
 
     run(scenario)

@@ -20,6 +20,7 @@ from tests.unit.fakes import (
     at_cosine,
     embedding,
     face,
+    quality,
     solid_png,
 )
 
@@ -504,5 +505,147 @@ def test_a_final_transaction_is_not_processed_again() -> None:
         await world.processor().process("no-such-reference")
         assert world.transactions.peek(tx.reference_id) == first
         assert len(world.analysis.calls) == 1
+
+    asyncio.run(scenario())
+
+
+def test_default_minimum_score_follows_the_tenants_gallery_size() -> None:
+    async def scenario() -> None:
+        world = World(policy=dataclasses.replace(TEST_POLICY, min_score=None))
+        calibration = TEST_POLICY.calibration
+        probe = embedding(1)
+        world.analysis.faces_by_color[RED] = [face(probe)]
+        # Score 0.45 (FMR 3e-5): enough against 100 faces (bar 0.4), not against 1,000 (bar 0.5).
+        await world.enrol(TENANT, "mate", at_cosine(probe, calibration.cosine_for_score(0.45)), "ref")
+        for index in range(99):
+            await world.enrol(TENANT, f"filler-{index}", embedding(100 + index))
+        tx = await submit_search(world, RED, enroll_face=False)
+        await world.processor().process(tx.reference_id)
+        assert [entry[0] for entry in matched(world, tx)] == ["mate"]
+        assert world.gallery.searches[-1][2] == pytest.approx(calibration.cosine_for_score(0.4), abs=1e-4)
+
+        for index in range(99, 999):
+            await world.enrol(TENANT, f"filler-{index}", embedding(100 + index))
+        tx = await submit_search(world, RED, enroll_face=False)
+        await world.processor().process(tx.reference_id)
+        assert matched(world, tx) == []
+        assert world.gallery.searches[-1][2] == pytest.approx(calibration.cosine_for_score(0.5), abs=1e-4)
+
+    asyncio.run(scenario())
+
+
+def test_a_tenants_own_minimum_score_and_match_count_come_first() -> None:
+    async def scenario() -> None:
+        world = World()  # service-wide minimum score 0.5
+        calibration = TEST_POLICY.calibration
+        tenant, _ = await world.clients.create("tenant")
+        probe = embedding(1)
+        world.analysis.faces_by_color[RED] = [face(probe)]
+        for index, score in enumerate((0.3, 0.35, 0.9, 0.95)):
+            vector = at_cosine(probe, calibration.cosine_for_score(score), index)
+            await world.enrol(tenant.client_id, f"face-{score}", vector)
+
+        async def search() -> list[object]:
+            tx = await submit_search(world, RED, tenant_id=tenant.client_id, enroll_face=False)
+            await world.processor().process(tx.reference_id)
+            return [entry[0] for entry in matched(world, tx)]
+
+        assert await search() == ["face-0.95", "face-0.9"]
+        await world.clients.update_search_settings(tenant.client_id, min_score=0.25, max_matches=3)
+        assert await search() == ["face-0.95", "face-0.9", "face-0.35"]
+        await world.clients.update_search_settings(tenant.client_id, min_score=None, max_matches=None)
+        assert await search() == ["face-0.95", "face-0.9"]
+
+    asyncio.run(scenario())
+
+
+def test_a_face_below_the_enrolment_bar_is_searched_but_not_enrolled() -> None:
+    async def scenario() -> None:
+        world = World()
+        probe = embedding(1)
+        await world.enrol(TENANT, "known", at_cosine(probe, 0.95), "customer-7")
+        blurry = quality(enrol_ok=False, search_ok=True, reasons=("blurry",))
+        world.analysis.faces_by_color[RED] = [face(probe, quality=blurry)]
+        tx = await submit_search(world, RED, client_reference="customer-1")
+        await world.processor().process(tx.reference_id)
+        final = world.transactions.peek(tx.reference_id)
+        assert final.result is not None
+        result = public_result(final.result)
+        assert [entry[0] for entry in result["matched_faces"]] == ["known"]
+        assert "probe_quality" not in result  # it meets the search bar
+        [unindexed] = result["unindexed_faces"]
+        assert unindexed["reasons"] == ["blurry"]
+        assert world.gallery.face_ids(TENANT) == {"known"}
+        assert await world.record_store.get(TENANT, enrolled_face_id(tx.reference_id)) is None
+        assert tx.image_key not in world.blobs.items  # not enrolled: the upload is not kept
+
+        # Age estimation that asks to enrol is gated the same way.
+        world.analysis.faces_by_color[GREEN] = [face(embedding(2), age=30, quality=blurry)]
+        age = await submit_age(world, GREEN)
+        await world.processor().process(age.reference_id)
+        age_result = world.transactions.peek(age.reference_id).result
+        assert age_result is not None and age_result["age"] == 30
+        assert age_result["unindexed_faces"][0]["reasons"] == ["blurry"]
+        assert world.gallery.face_ids(TENANT) == {"known"}
+
+    asyncio.run(scenario())
+
+
+def test_a_probe_below_the_search_bar_cannot_produce_certainty() -> None:
+    async def scenario() -> None:
+        world = World(policy=dataclasses.replace(TEST_POLICY, min_score=None))
+        calibration = TEST_POLICY.calibration
+        probe = embedding(1)
+        for index, score in enumerate((0.99, 0.35)):
+            await world.enrol(
+                TENANT, f"face-{score}", at_cosine(probe, calibration.cosine_for_score(score), index)
+            )
+        poor = quality(enrol_ok=False, search_ok=False, reasons=("small_face", "blurry"))
+        world.analysis.faces_by_color[RED] = [face(probe)]
+        world.analysis.faces_by_color[BLUE] = [face(probe, quality=poor)]
+
+        good = await submit_search(world, RED, enroll_face=False)
+        await world.processor().process(good.reference_id)
+        # Two faces: bar 0.23 (FPIR 1 %); both match, the best with its full score.
+        assert [(entry[0], entry[1]) for entry in matched(world, good)] == [
+            ("face-0.99", pytest.approx(0.99, abs=1e-3)),
+            ("face-0.35", pytest.approx(0.35, abs=1e-3)),
+        ]
+
+        weak = await submit_search(world, BLUE, enroll_face=False)
+        await world.processor().process(weak.reference_id)
+        result = world.transactions.peek(weak.reference_id).result
+        assert result is not None
+        # A ten times stricter FPIR (bar 0.33 for two faces) and every score capped at 0.5.
+        assert [(entry[0], entry[1]) for entry in result["matched_faces"]] == [
+            ("face-0.99", pytest.approx(TEST_POLICY.low_quality_score_cap)),
+            ("face-0.35", pytest.approx(0.35, abs=1e-3)),
+        ]
+        assert result["probe_quality"]["search_ok"] is False
+        assert result["probe_quality"]["reasons"] == ["small_face", "blurry"]
+        assert world.gallery.searches[-1][2] == pytest.approx(
+            calibration.cosine_for_score(calibration.min_score_for_gallery(2, TEST_POLICY.low_quality_fpir))
+        )
+
+    asyncio.run(scenario())
+
+
+def test_face_search_never_asks_for_an_age_and_age_estimation_embeds_only_to_enrol() -> None:
+    async def scenario() -> None:
+        world = World()
+        world.analysis.faces_by_color[RED] = [face(embedding(1), age=30)]
+        for tx in (
+            await submit_search(world, RED, enroll_face=True),
+            await submit_search(world, RED, enroll_face=False),
+            await submit_age(world, RED, enroll_face=False),
+            await submit_age(world, RED, enroll_face=True),
+        ):
+            await world.processor().process(tx.reference_id)
+        assert world.analysis.calls == [
+            (RED, True, False),
+            (RED, True, False),
+            (RED, False, True),
+            (RED, True, True),
+        ]
 
     asyncio.run(scenario())

@@ -245,3 +245,26 @@ def test_every_detected_face_carries_its_quality(analyzer: FaceAnalyzer, rgb_pho
             assert face.quality.face_size_px > 0 and face.quality.sharpness > 0
     probe = largest_face(analyzer.analyze([rgb_photo], embed=False, estimate_age=False)[0])
     assert probe is not None and probe.quality is not None and probe.quality.enrol_ok
+
+
+def test_only_the_models_a_request_needs_run(
+    analyzer: FaceAnalyzer, rgb_photo: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runs: list[str] = []
+    for name, model, method in (
+        ("dlib", analyzer.embedder.dlib, "embed"),
+        ("sface", analyzer.embedder.sface, "embed"),
+        ("age", analyzer.age_estimator, "estimate"),
+    ):
+        original = getattr(model, method)
+
+        def spy(*args: object, _name: str = name, _original: object = original) -> object:
+            runs.append(_name)
+            return _original(*args)  # type: ignore[operator]
+
+        monkeypatch.setattr(model, method, spy)
+    analyzer.analyze([rgb_photo], embed=True, estimate_age=False)  # face search
+    assert runs == ["dlib", "sface"]
+    runs.clear()
+    analyzer.analyze([rgb_photo], embed=False, estimate_age=True)  # age estimation, no enrolment
+    assert runs == ["age"]
