@@ -456,6 +456,57 @@ def quality_table(photos: PhotoSet, weights: tuple[float, float]) -> str:
     return "\n".join(lines) + "\n" + table + "\n" + split
 
 
+def blur_sweep(images: Sequence[LabelledImage], photos: PhotoSet, weights: tuple[float, float]) -> str:
+    """What blur does to sharpness and to matching: 200 photos of people with a mate, blurred with a
+    Gaussian of each sigma, searched against their mates' unblurred photos (how the bars were chosen)."""
+    import cv2
+
+    from models.analyzer import ModelConfig
+    from models.arrays import to_rgb
+    from models.chips import align_chip
+    from models.quality import chip_sharpness
+
+    calibration = FaceScoreCalibration.load()
+    fused = fuse_vectors(unit(photos.dlib), photos.sface, weights)
+    ids = np.asarray(photos.identities)
+    config = ModelConfig(intra_op_threads=2)
+    detector, cropper, embedder = config.load_detector(), config.load_cropper(), config.load_embedder()
+    with_mates = [i for i in range(len(ids)) if photos.found[i] and int(np.sum(ids == ids[i])) > 1]
+    pick = np.random.default_rng(0).choice(with_mates, min(200, len(with_mates)), replace=False)
+    bar = calibration.cosine_for_score(0.5)  # the default bar of a 1,000-face gallery
+    rows = []
+    for sigma in (0.0, 1.0, 1.5, 2.0, 3.0):
+        sharpness, best = [], []
+        for index in pick:
+            rgb = to_rgb(load_image(images[index].path))
+            if sigma:
+                rgb = cv2.GaussianBlur(rgb, (0, 0), sigma)
+            faces = detector.detect([rgb])[0]
+            if not faces:
+                best.append(-1.0)
+                continue
+            face = max(faces, key=lambda found: found.area)
+            crops = cropper(rgb, [face], embed=True, estimate_age=False)
+            chip = align_chip(rgb, face.landmarks)
+            assert crops.descriptor_chips is not None
+            vector = embedder.embed(crops.descriptor_chips, chip[None])[0]
+            mates = [j for j in np.flatnonzero(ids == ids[index]) if j != index]
+            sharpness.append(chip_sharpness(chip))
+            best.append(float(np.max(fused[mates] @ vector)))
+        values, scores = np.asarray(sharpness), np.asarray(best)
+        rows.append(
+            [
+                f"{sigma:g}",
+                f"{np.percentile(values, 10):.1f} / {np.median(values):.1f}",
+                f"{np.mean([calibration.score(v) for v in scores]):.3f}",
+                f"{100 * np.mean(scores < bar):.1f}%",
+            ]
+        )
+    return format_table(
+        ["blur sigma (px)", "sharpness p10 / median", "best-mate score, mean", "mate below score 0.5"], rows
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.identification", description=__doc__.split("\n\n")[0]
@@ -467,6 +518,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--write-calibration", action="store_true", help=f"write {CALIBRATION_PATH.name}")
     parser.add_argument("--no-cache", action="store_true", help="recompute the per-photo embeddings")
     parser.add_argument("--no-speed", action="store_true", help="skip the ms/face measurement")
+    parser.add_argument("--blur-sweep", action="store_true", help="also measure blur against matching")
     args = parser.parse_args(argv)
 
     calib_set = load_faces_dev(args.faces_calib)
@@ -534,6 +586,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\n## Default minimum score by gallery size\n{gallery_threshold_table(table)}")
     for label, photos in (("faces-calib", calib), ("faces-dev", dev)):
         print(f"\n## Quality gate on {label}\n{quality_table(photos, weights)}")
+    if args.blur_sweep:
+        print(f"\n## Blur against matching (faces-calib)\n{blur_sweep(calib_images, calib, weights)}")
     return 0
 
 

@@ -58,7 +58,7 @@ class QualityThresholds:
     enrol: QualityBar = QualityBar(
         min_face_size_px=60.0,
         min_detector_score=0.85,
-        min_sharpness=40.0,
+        min_sharpness=20.0,
         max_abs_yaw=0.8,
         pitch_range=(0.25, 0.8),
         max_abs_roll_deg=40.0,
@@ -66,7 +66,7 @@ class QualityThresholds:
     search: QualityBar = QualityBar(
         min_face_size_px=32.0,
         min_detector_score=0.75,
-        min_sharpness=20.0,
+        min_sharpness=10.0,
         max_abs_yaw=1.0,
         pitch_range=(0.15, 0.9),
         max_abs_roll_deg=60.0,
