@@ -161,11 +161,13 @@ def time_embedders(
     timings = {}
     for name, (embed, chips) in runners.items():
         embed(chips[:batch])
-        started, faces = time.perf_counter(), 0
-        for start in range(0, len(chips), batch):
-            embed(chips[start : start + batch])
-            faces += len(chips[start : start + batch])
-        timings[name] = 1000.0 * (time.perf_counter() - started) / max(faces, 1)
+        best = float("inf")
+        for _ in range(3):  # best of three passes: the cores are shared, the minimum is the model's cost
+            started = time.perf_counter()
+            for start in range(0, len(chips), batch):
+                embed(chips[start : start + batch])
+            best = min(best, time.perf_counter() - started)
+        timings[name] = 1000.0 * best / max(len(chips), 1)
     return timings
 
 
