@@ -292,6 +292,26 @@ class FaceAnalyzer:
             for faces, result, crop in zip(detections, results, crops, strict=True)
         ]
 
+    def analyze_each(
+        self, images: Sequence[np.ndarray], needs: Sequence[tuple[bool, bool]]
+    ) -> list[list[AnalyzedFace]]:
+        """Like analyze(), with (embed, estimate_age) per image: one detector batch, then each model runs
+        only on the faces of the images that asked for it (a face search in the same batch as an age
+        estimate does not make the age model run on the search's faces, nor the embedders on the age's)."""
+        if len(needs) != len(images):
+            raise ValueError(f"{len(images)} images but {len(needs)} requests")
+        rgb = [to_rgb(image) for image in images]
+        detections = self.detector.detect(rgb)
+        crops = [
+            self.cropper(image, faces, embed=embed, estimate_age=estimate_age)
+            for image, faces, (embed, estimate_age) in zip(rgb, detections, needs, strict=True)
+        ]
+        results = self.infer(crops)
+        return [
+            self.assemble(faces, result, crop.qualities)
+            for faces, result, crop in zip(detections, results, crops, strict=True)
+        ]
+
     def check(self) -> None:
         """Health check: one tiny run through every model; raises whatever a broken session raises."""
         blank = np.zeros((64, 64, 3), dtype=np.uint8)

@@ -121,13 +121,12 @@ class FaceAnalysisModel:
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005)
     async def analyze_batch(self, requests: list[AnalysisRequest]) -> list[list[AnalyzedFace]]:
         started = time.perf_counter()
-        embed = any(request.embed for request in requests)
-        estimate_age = any(request.estimate_age for request in requests)
-        # One detector run over all images, one descriptor run and one age run over all their faces.
+        # One detector run over all images, one descriptor run and one age run over the faces of the
+        # requests that need each (a face search never runs the age model, an age estimate without
+        # enrolment never runs the embedders, even when they share a batch).
         images = [request.image for request in requests]
-        per_image = await self._lane.run(
-            lambda: self._analyzer.analyze(images, embed=embed, estimate_age=estimate_age)
-        )
+        needs = [(request.embed, request.estimate_age) for request in requests]
+        per_image = await self._lane.run(self._analyzer.analyze_each, images, needs)
         faces = sum(len(found) for found in per_image)
         self._metrics.observe_batch(len(requests), faces, time.perf_counter() - started)
         return [

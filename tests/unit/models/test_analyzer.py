@@ -268,3 +268,29 @@ def test_only_the_models_a_request_needs_run(
     runs.clear()
     analyzer.analyze([rgb_photo], embed=False, estimate_age=True)  # age estimation, no enrolment
     assert runs == ["age"]
+
+
+def test_a_mixed_batch_runs_each_model_only_on_the_faces_that_need_it(
+    analyzer: FaceAnalyzer, rgb_photo: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: dict[str, list[int]] = {"dlib": [], "age": []}
+    for name, model, method in (
+        ("dlib", analyzer.embedder.dlib, "embed"),
+        ("age", analyzer.age_estimator, "estimate"),
+    ):
+        original = getattr(model, method)
+
+        def spy(chips: np.ndarray, _name: str = name, _original: object = original) -> object:
+            seen[_name].append(len(chips))
+            return _original(chips)  # type: ignore[operator]
+
+        monkeypatch.setattr(model, method, spy)
+    one_face = len(analyzer.analyze([rgb_photo], embed=False, estimate_age=False)[0])
+    search, age = analyzer.analyze_each([rgb_photo, rgb_photo], [(True, False), (False, True)])
+    assert seen == {"dlib": [one_face], "age": [one_face]}  # one run each, over one image's faces
+    assert all(face.embedding is not None and face.age is None for face in search)
+    assert all(face.embedding is None and face.age is not None for face in age)
+    reference = analyzer.analyze([rgb_photo], embed=True, estimate_age=False)[0]
+    for staged, whole in zip(search, reference, strict=True):
+        assert staged.embedding is not None and whole.embedding is not None
+        np.testing.assert_allclose(staged.embedding, whole.embedding, atol=1e-5)
