@@ -24,6 +24,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from models import weights
+from models.detector import dequantize_constant
 from models.errors import ModelFormatError
 
 logger = logging.getLogger(__name__)
@@ -36,32 +37,6 @@ OUTPUT_NAME = "embeddings"
 CHIP_SIZE = 112
 EMBEDDING_DIM = 128
 IR_VERSION = 10  # opset 21, as the source
-
-
-def _dequantize_blocked(
-    values: np.ndarray, scale: np.ndarray, zero: np.ndarray, axis: int, block: int
-) -> np.ndarray:
-    """DequantizeLinear on a constant: per tensor, per axis, or per block of `block` along `axis`."""
-    data = values.astype(np.float64)
-    scale64, zero64 = scale.astype(np.float64), zero.astype(np.float64)
-    axis %= data.ndim
-    if block > 0:
-        size = data.shape[axis]
-        expected = -(-size // block)
-        if scale64.shape[axis] != expected:
-            raise ModelFormatError(
-                f"block scales have {scale64.shape[axis]} entries for {size} values / {block}"
-            )
-        index = np.arange(size) // block
-        scale64 = np.take(scale64, index, axis=axis)
-        zero64 = np.take(zero64, index, axis=axis)
-    elif scale64.size > 1:
-        shape = [1] * data.ndim
-        shape[axis] = -1
-        scale64, zero64 = scale64.reshape(shape), zero64.reshape(shape)
-    else:
-        scale64, zero64 = scale64.reshape(()), zero64.reshape(())
-    return ((data - zero64) * scale64).astype(np.float32)
 
 
 def build_sface_model(source: onnx.ModelProto) -> onnx.ModelProto:
@@ -85,8 +60,8 @@ def build_sface_model(source: onnx.ModelProto) -> onnx.ModelProto:
             attrs = {attr.name: attr.i for attr in node.attribute}
             values = constants[inputs[0]]
             scale = constants[inputs[1]]
-            zero = constants[inputs[2]] if len(inputs) > 2 else np.zeros_like(scale, dtype=np.int8)
-            constants[node.output[0]] = _dequantize_blocked(
+            zero = constants[inputs[2]] if len(inputs) > 2 else None
+            constants[node.output[0]] = dequantize_constant(
                 values, scale, zero, attrs.get("axis", 1), attrs.get("block_size", 0)
             )
             folded += 1
