@@ -151,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rate = len(images) / seconds
         pipeline_rows.append(
             [
-                f"ours (YuNet + shape5 + ResNet ONNX + age, {args.pipeline_batch} images/call)"
+                f"ours (YuNet + shape5 + ResNet + SFace + age, {args.pipeline_batch} images/call)"
                 + (", ORT spinning on" if spin else ""),
                 str(threads),
                 str(found),
