@@ -51,7 +51,7 @@ class ProcessingPolicy:
     override_lock_timeout_s: float = 30.0
     fpir: float = DEFAULT_FPIR
     # A probe below the quality gate's search bar still searches, but cannot produce certainty: it must
-    # clear the bar of a ten times lower FPIR, and its scores are capped at LOW_QUALITY_SCORE_CAP (or at
+    # clear the bar of a ten times lower FPIR, and its scores are capped at low_quality_score_cap (or at
     # that bar, when it is higher), so a client reading the score never sees a confident match.
     low_quality_fpir: float = DEFAULT_FPIR / 10
     low_quality_score_cap: float = 0.5
