@@ -128,9 +128,8 @@ class FaceCrops:
     descriptor_chips: np.ndarray | None  # uint8 [F, 150, 150, 3] RGB (dlib)
     age_chips: np.ndarray | None  # uint8 [F, V, 64, 64, 3] RGB, V = AGE_VIEWS_PER_FACE
     qualities: tuple[FaceQuality, ...] = ()  # one per face, always measured (models.quality)
-    sface_chips: np.ndarray | None = (
-        None  # uint8 [F, 112, 112, 3] RGB, ArcFace-aligned (with descriptor_chips)
-    )
+    # uint8 [F, 112, 112, 3] RGB, ArcFace-aligned (SFace); present exactly when descriptor_chips is
+    sface_chips: np.ndarray | None = None
 
     @property
     def n_faces(self) -> int:
@@ -280,17 +279,7 @@ class FaceAnalyzer:
         self, images: Sequence[np.ndarray], embed: bool = True, estimate_age: bool = True
     ) -> list[list[AnalyzedFace]]:
         """Faces of every image with descriptors and/or age estimates, in detection order (best first)."""
-        rgb = [to_rgb(image) for image in images]
-        detections = self.detector.detect(rgb)
-        crops = [
-            self.cropper(image, faces, embed=embed, estimate_age=estimate_age)
-            for image, faces in zip(rgb, detections, strict=True)
-        ]
-        results = self.infer(crops)
-        return [
-            self.assemble(faces, result, crop.qualities)
-            for faces, result, crop in zip(detections, results, crops, strict=True)
-        ]
+        return self.analyze_each(images, [(embed, estimate_age)] * len(images))
 
     def analyze_each(
         self, images: Sequence[np.ndarray], needs: Sequence[tuple[bool, bool]]
