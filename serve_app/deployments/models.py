@@ -18,6 +18,8 @@ import numpy as np
 from ray import serve
 
 from models.analyzer import FaceAnalyzer, ModelConfig, load_face_analyzer
+from models.chips import CHIP_SIZE as SFACE_CHIP_SIZE
+from models.convert import CHIP_SIZE as DLIB_CHIP_SIZE
 from models.embedder import FUSED_DIM
 from models.types import AnalyzedFace, DetectedFace
 from serve_app.deployments.batching import BatchConfig
@@ -58,8 +60,9 @@ def _strip(face: AnalyzedFace, request: AnalysisRequest) -> AnalyzedFace:
     )
 
 
-_DLIB_BYTES = 150 * 150 * 3
-_SFACE_SHAPE = (112, 112, 3)
+_DLIB_SHAPE = (DLIB_CHIP_SIZE, DLIB_CHIP_SIZE, 3)
+_DLIB_BYTES = DLIB_CHIP_SIZE * DLIB_CHIP_SIZE * 3
+_SFACE_SHAPE = (SFACE_CHIP_SIZE, SFACE_CHIP_SIZE, 3)
 
 
 def _pair(chips: DescriptorChips) -> np.ndarray:
@@ -72,7 +75,7 @@ def _pair(chips: DescriptorChips) -> np.ndarray:
 
 def _unpair(paired: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     count = len(paired)
-    dlib = np.ascontiguousarray(paired[:, :_DLIB_BYTES]).reshape(count, 150, 150, 3)
+    dlib = np.ascontiguousarray(paired[:, :_DLIB_BYTES]).reshape(count, *_DLIB_SHAPE)
     sface = np.ascontiguousarray(paired[:, _DLIB_BYTES:]).reshape(count, *_SFACE_SHAPE)
     return dlib, sface
 
