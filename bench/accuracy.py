@@ -127,14 +127,14 @@ def verification_tables(descriptors: list[Descriptor], min_score: float) -> str:
             ]
         )
     table = format_table(
-        ["pairs", "n", "min score", "max score", "mean score", f"wrong at score {min_score}"], rows
+        ["pairs", "n", "min score", "max score", "mean score", f"wrong at score {min_score:.2f}"], rows
     )
     false_matches = int(np.sum(diff_s >= min_score))
     false_non_matches = int(np.sum(same_s < min_score))
     total = same_s.size + diff_s.size
     summary = (
         f"faces: {len(descriptors)} ({len({d.identity for d in descriptors})} identities); "
-        f"accuracy at score {min_score}: {percent(total - false_matches - false_non_matches, total)}; "
+        f"accuracy at score {min_score:.2f}: {percent(total - false_matches - false_non_matches, total)}; "
         f"false-match rate {false_matches}/{diff_s.size} = {percent(false_matches, diff_s.size)}; "
         f"false non-match rate {false_non_matches}/{same_s.size} = "
         f"{percent(false_non_matches, same_s.size)}\n"
@@ -171,7 +171,7 @@ def identification_table(descriptors: list[Descriptor], min_score: float) -> str
             correct += 1
             within += scores[best] >= min_score
     return format_table(
-        ["probes", "rank-1 correct", f"rank-1 correct and score >= {min_score}"],
+        ["probes", "rank-1 correct", f"rank-1 correct and score >= {min_score:.2f}"],
         [[str(probes), f"{correct} ({percent(correct, probes)})", f"{within} ({percent(within, probes)})"]],
     )
 
