@@ -25,6 +25,7 @@ from models.embedder import FaceEmbedder, SFaceEmbedder
 from models.quality import Pose, assess_quality, judge_quality
 from models.sessions import SessionOptions
 from models.sface import ensure_sface_model
+from models.weights import WEIGHTS
 from tests.faces_dev import LabelledImage
 
 CACHE_VERSION = "3"
@@ -60,6 +61,9 @@ def quantized_sface_path(models_dir: Path | None) -> Path:
 
 def _cache_path(images: list[LabelledImage]) -> Path:
     digest = hashlib.sha256(CACHE_VERSION.encode())
+    # Other weights (or a changed alignment/quality code path, via CACHE_VERSION) mean other embeddings.
+    for name in ("yunet_2023mar_int8bq", "dlib_shape5", "dlib_resnet_v1", "sface_2021dec_int8bq"):
+        digest.update(WEIGHTS[name].sha256.encode())
     for item in images:
         digest.update(f"{item.path}|{item.identity}\n".encode())
     return Path(tempfile.gettempdir()) / f"facesearch-embeddings-{digest.hexdigest()[:16]}.npz"

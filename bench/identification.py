@@ -2,6 +2,7 @@
 quality gate, on faces-calib and faces-dev.
 
     python -m bench.identification [--det-png var/det.png] [--write-calibration] [--no-cache]
+                                   [--no-speed] [--blur-sweep]
 
 Protocol (1:N, two folds): the people with two or more photos are split in two halves by name order. In
 fold 1 the first photo of each person of half A is enrolled, together with every distractor (people with a
