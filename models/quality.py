@@ -12,8 +12,9 @@ Measurements (all cheap, computed for every detected face):
 
 Two bars: the enrolment bar (a face stored in a gallery is compared with every later probe, so it must be
 good) and the looser search bar (a probe below it still searches, but its matches are reported without
-certainty; see serve_app.pipelines.processing). Thresholds are measured on faces-calib, see
-`python -m bench.identification --quality` and the README section "Quality gate".
+certainty; see serve_app.pipelines.processing). Thresholds were chosen on faces-calib measurements:
+`python -m bench.identification` (what each bar rejects and its effect on FNIR/FPIR) and its
+`--blur-sweep` (sharpness against matching under Gaussian blur); README section "Quality gate".
 """
 
 from __future__ import annotations
