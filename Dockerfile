@@ -20,7 +20,7 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/facesearch
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md THIRD_PARTY_NOTICES.md ./
 COPY models ./models
 COPY serve_app ./serve_app
 COPY config ./config

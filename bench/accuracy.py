@@ -20,12 +20,14 @@ import numpy as np
 
 from bench.common import format_table, load_image
 from models.analyzer import FaceAnalyzer, ModelConfig, largest_face, load_face_analyzer
-from models.scoring import DEFAULT_MATCH_DISTANCE, score_from_distance
+from models.calibration import FaceScoreCalibration
 from models.types import AgeEstimate, AnalyzedFace
 from tests.faces_dev import LabelledImage, load_faces_dev
 
 AGE_BANDS: tuple[tuple[int, int], ...] = ((5, 11), (12, 17), (18, 25), (26, 40), (41, 70))
-THRESHOLD_SWEEP = (0.50, 0.55, 0.58, 0.60, 0.62)
+SCORE_SWEEP = (0.2, 0.3, 0.4, 0.5, 0.6)
+# The default bar of a 100-face gallery (FPIR <= 1 %): a fixed point to compare runs by.
+MIN_SCORE = FaceScoreCalibration.min_score_for_gallery(100)
 AGE_GROUPS: tuple[tuple[str, int, int], ...] = (("<18", 0, 17), ("18-20", 18, 20), ("21+", 21, 200))
 
 
@@ -86,25 +88,30 @@ def collect_descriptors(
     return descriptors
 
 
-def verification_tables(descriptors: list[Descriptor], threshold: float) -> str:
+def _score(calibration: FaceScoreCalibration, a: Descriptor, b: Descriptor) -> float:
+    return calibration.score(float(a.vector @ b.vector))
+
+
+def verification_tables(descriptors: list[Descriptor], min_score: float) -> str:
+    calibration = FaceScoreCalibration.load()
     same: list[float] = []
     different: list[float] = []
-    closest: tuple[float, str, str] = (float("inf"), "", "")
+    closest: tuple[float, str, str] = (-1.0, "", "")
     for a, b in itertools.combinations(descriptors, 2):
-        distance = float(np.linalg.norm(a.vector - b.vector))
+        score = _score(calibration, a, b)
         if a.identity == b.identity:
-            same.append(distance)
+            same.append(score)
         else:
-            different.append(distance)
-            closest = min(closest, (distance, a.source, b.source))
-    same_d, diff_d = np.asarray(same), np.asarray(different)
+            different.append(score)
+            closest = max(closest, (score, a.source, b.source))
+    same_s, diff_s = np.asarray(same), np.asarray(different)
     rows = []
     for name, values, wrong in (
-        ("same person", same_d, int(np.sum(same_d >= threshold))),
-        ("different people", diff_d, int(np.sum(diff_d < threshold))),
+        ("same person", same_s, int(np.sum(same_s < min_score))),
+        ("different people", diff_s, int(np.sum(diff_s >= min_score))),
     ):
         if values.size == 0:
-            rows.append([name, "0", "-", "-", "-", "-", "-"])
+            rows.append([name, "0", "-", "-", "-", "-"])
             continue
         rows.append(
             [
@@ -113,41 +120,41 @@ def verification_tables(descriptors: list[Descriptor], threshold: float) -> str:
                 f"{values.min():.3f}",
                 f"{values.max():.3f}",
                 f"{values.mean():.3f}",
-                f"{score_from_distance(float(values.max())):.3f}-{score_from_distance(float(values.min())):.3f}",
                 f"{wrong} ({percent(wrong, values.size)})",
             ]
         )
     table = format_table(
-        ["pairs", "n", "min dist", "max dist", "mean dist", "score range", f"wrong at {threshold}"], rows
+        ["pairs", "n", "min score", "max score", "mean score", f"wrong at score {min_score:.2f}"], rows
     )
-    false_matches = int(np.sum(diff_d < threshold))
-    false_non_matches = int(np.sum(same_d >= threshold))
-    total = same_d.size + diff_d.size
+    false_matches = int(np.sum(diff_s >= min_score))
+    false_non_matches = int(np.sum(same_s < min_score))
+    total = same_s.size + diff_s.size
     summary = (
         f"faces: {len(descriptors)} ({len({d.identity for d in descriptors})} identities); "
-        f"accuracy at {threshold}: {percent(total - false_matches - false_non_matches, total)}; "
-        f"false-match rate {false_matches}/{diff_d.size} = {percent(false_matches, diff_d.size)}; "
-        f"false non-match rate {false_non_matches}/{same_d.size} = "
-        f"{percent(false_non_matches, same_d.size)}\n"
-        f"closest different pair: {closest[1]} / {closest[2]} at {closest[0]:.3f}"
+        f"accuracy at score {min_score:.2f}: {percent(total - false_matches - false_non_matches, total)}; "
+        f"false-match rate {false_matches}/{diff_s.size} = {percent(false_matches, diff_s.size)}; "
+        f"false non-match rate {false_non_matches}/{same_s.size} = "
+        f"{percent(false_non_matches, same_s.size)}\n"
+        f"closest different pair: {closest[1]} / {closest[2]} at score {closest[0]:.3f}"
     )
     sweep = format_table(
-        ["distance threshold", "score there", "false matches", "false non-matches"],
+        ["min score", "calibrated FMR there", "false matches", "false non-matches"],
         [
             [
                 f"{cut:.2f}",
-                f"{score_from_distance(cut):.3f}",
-                f"{int(np.sum(diff_d < cut))}/{diff_d.size}",
-                f"{int(np.sum(same_d >= cut))}/{same_d.size}",
+                f"{FaceScoreCalibration.fmr_for_score(cut):.0e}",
+                f"{int(np.sum(diff_s >= cut))}/{diff_s.size}",
+                f"{int(np.sum(same_s < cut))}/{same_s.size}",
             ]
-            for cut in THRESHOLD_SWEEP
+            for cut in SCORE_SWEEP
         ],
     )
     return f"{table}\n{summary}\n\n{sweep}"
 
 
-def identification_table(descriptors: list[Descriptor], threshold: float) -> str:
+def identification_table(descriptors: list[Descriptor], min_score: float) -> str:
     # Probes: identity photos whose person has at least one other photo; gallery: every other identity photo.
+    calibration = FaceScoreCalibration.load()
     photos = [d for d in descriptors if "#" not in d.source]
     correct = within = probes = 0
     for probe in photos:
@@ -155,13 +162,13 @@ def identification_table(descriptors: list[Descriptor], threshold: float) -> str
         if not any(d.identity == probe.identity for d in gallery):
             continue
         probes += 1
-        distances = [float(np.linalg.norm(probe.vector - d.vector)) for d in gallery]
-        best = int(np.argmin(distances))
+        scores = [_score(calibration, probe, d) for d in gallery]
+        best = int(np.argmax(scores))
         if gallery[best].identity == probe.identity:
             correct += 1
-            within += distances[best] < threshold
+            within += scores[best] >= min_score
     return format_table(
-        ["probes", "rank-1 correct", f"rank-1 correct and < {threshold}"],
+        ["probes", "rank-1 correct", f"rank-1 correct and score >= {min_score:.2f}"],
         [[str(probes), f"{correct} ({percent(correct, probes)})", f"{within} ({percent(within, probes)})"]],
     )
 
@@ -207,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     analyzer = load_face_analyzer(ModelConfig(intra_op_threads=args.threads))
     images = list(dev.images)
     faces = analyze_all(analyzer, images, args.batch)
-    threshold = DEFAULT_MATCH_DISTANCE
+    threshold = MIN_SCORE
 
     print(f"# Detection ({dev.root})\n{detection_table(images, faces)}\n")
     descriptors = collect_descriptors(images, faces)

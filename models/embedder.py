@@ -7,18 +7,27 @@ does (its operating threshold is 0.6).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
 
+from models.calibration import FaceScoreCalibration
 from models.convert import CHIP_SIZE, DESCRIPTOR_DIM, INPUT_NAME, OUTPUT_NAME
 from models.errors import ModelFormatError
 from models.sessions import SessionOptions, create_session
+from models.sface import CHIP_SIZE as SFACE_CHIP_SIZE
+from models.sface import EMBEDDING_DIM as SFACE_DIM
+from models.sface import INPUT_NAME as SFACE_INPUT
+from models.sface import OUTPUT_NAME as SFACE_OUTPUT
 
-# Stored next to every vector so vectors from a different model are never compared with these.
-MODEL_VERSION = "dlib_resnet_v1"
+# Stored next to every vector, and part of the Milvus collection's name, so vectors of a different model
+# (v1: "dlib_resnet_v1", 128-d dlib descriptors) are never compared with these.
+MODEL_VERSION = "face_v2_dlib_sface"
+FUSED_DIM = 256  # 128 dlib + 128 SFace
 
 CHIP_SHAPE = (CHIP_SIZE, CHIP_SIZE, 3)
+SFACE_CHIP_SHAPE = (SFACE_CHIP_SIZE, SFACE_CHIP_SIZE, 3)
 _WARMUP_BATCH = 2
 
 
@@ -48,3 +57,72 @@ class FaceEmbedder:
             return np.zeros((0, DESCRIPTOR_DIM), dtype=np.float32)
         (descriptors,) = self._session.run([OUTPUT_NAME], {INPUT_NAME: np.ascontiguousarray(chips)})
         return np.asarray(descriptors, dtype=np.float32)
+
+
+class SFaceEmbedder:
+    """128-d SFace embeddings, L2-normalised, for batches of 112 px ArcFace-aligned RGB chips
+    (models.chips); compare by inner product (cosine)."""
+
+    def __init__(self, model_path: Path, options: SessionOptions) -> None:
+        warmup = {SFACE_INPUT: np.zeros((_WARMUP_BATCH, *SFACE_CHIP_SHAPE), dtype=np.uint8)}
+        self._session = create_session(model_path, options, warmup_feed=warmup)
+        inputs = [node.name for node in self._session.get_inputs()]
+        outputs = [node.name for node in self._session.get_outputs()]
+        if inputs != [SFACE_INPUT] or outputs != [SFACE_OUTPUT]:
+            raise ModelFormatError(
+                f"{model_path}: expected input {SFACE_INPUT!r} and output {SFACE_OUTPUT!r}, found "
+                f"{inputs} -> {outputs}; regenerate it with `python -m models.convert`"
+            )
+        self.model_path = model_path
+
+    def embed(self, chips: np.ndarray) -> np.ndarray:
+        """[N,112,112,3] uint8 RGB chips -> float32 [N,128] unit vectors (N may be 0)."""
+        if chips.dtype != np.uint8 or chips.ndim != 4 or chips.shape[1:] != SFACE_CHIP_SHAPE:
+            raise ValueError(
+                f"chips must be uint8 [N,{SFACE_CHIP_SIZE},{SFACE_CHIP_SIZE},3] RGB, "
+                f"got {chips.dtype} {chips.shape}"
+            )
+        if chips.shape[0] == 0:
+            return np.zeros((0, SFACE_DIM), dtype=np.float32)
+        (raw,) = self._session.run([SFACE_OUTPUT], {SFACE_INPUT: np.ascontiguousarray(chips)})
+        return unit_rows(np.asarray(raw, dtype=np.float32))
+
+
+def unit_rows(vectors: np.ndarray) -> np.ndarray:
+    """Each row scaled to length 1 (a zero row stays zero)."""
+    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+    return (vectors / np.maximum(norms, 1e-12)).astype(np.float32)
+
+
+def fuse_vectors(dlib_unit: np.ndarray, sface_unit: np.ndarray, weights: tuple[float, float]) -> np.ndarray:
+    """One unit vector per face whose inner product with another is the weighted mean of the two models'
+    cosines: [w_d * dlib, w_s * sface] / sqrt(w_d^2 + w_s^2). With w_i = 1 / sqrt(sigma_i) (sigma_i the
+    spread of the model's cosines over all pairs) the fused cosine is, up to constants, the sum of the two
+    z-normalised similarities, so one Milvus inner-product search ranks by the fused score."""
+    w_dlib, w_sface = weights
+    norm = math.hypot(w_dlib, w_sface)
+    return np.concatenate([dlib_unit * (w_dlib / norm), sface_unit * (w_sface / norm)], axis=1).astype(
+        np.float32
+    )
+
+
+class FusedEmbedder:
+    """Face model v2: the dlib descriptor and SFace embedding of each face, fused into one 256-d unit
+    vector (fuse_vectors) with the weights stored in the score calibration."""
+
+    def __init__(self, dlib: FaceEmbedder, sface: SFaceEmbedder, calibration: FaceScoreCalibration) -> None:
+        if calibration.model_version != MODEL_VERSION:
+            raise ModelFormatError(
+                f"score calibration is for {calibration.model_version!r}, the embedder is {MODEL_VERSION!r}"
+            )
+        self.dlib = dlib
+        self.sface = sface
+        self.weights = calibration.fusion_weights
+
+    def embed(self, dlib_chips: np.ndarray, sface_chips: np.ndarray) -> np.ndarray:
+        """[N,150,150,3] dlib chips and [N,112,112,3] ArcFace chips of the same faces -> float32 [N,256]."""
+        if len(dlib_chips) != len(sface_chips):
+            raise ValueError(f"{len(dlib_chips)} dlib chips but {len(sface_chips)} SFace chips")
+        return fuse_vectors(
+            unit_rows(self.dlib.embed(dlib_chips)), self.sface.embed(sface_chips), self.weights
+        )

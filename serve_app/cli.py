@@ -2,6 +2,7 @@
 
 facesearch start [--config config/serve.yaml] [--port 8000]
 facesearch clients create NAME | list | revoke CLIENT_ID
+facesearch clients update CLIENT_ID [--min-score X|default] [--max-matches N|default]
 facesearch reconcile
 """
 
@@ -76,7 +77,46 @@ def start(config: Path, host: str, port: int | None, metrics_port: int) -> int:
     return 0
 
 
-async def _clients(settings: Settings, action: str, value: str | None) -> int:
+def _override(raw: str | None, kind: type[float] | type[int]) -> tuple[bool, float | int | None]:
+    """(given, value) of an --option: absent, "default" (clear it) or a number."""
+    if raw is None:
+        return False, None
+    return True, None if raw == "default" else kind(raw)
+
+
+async def _update_client(clients: Any, client_id: str, min_score: str | None, max_matches: str | None) -> int:
+    info = await clients.get(client_id)
+    if info is None:
+        print(f"no client {client_id}", file=sys.stderr)
+        return 1
+    try:
+        score_given, score = _override(min_score, float)
+        matches_given, matches = _override(max_matches, int)
+    except ValueError as error:
+        print(f"invalid value: {error}", file=sys.stderr)
+        return 2
+    if score is not None and not 0.0 <= score <= 1.0:
+        print("--min-score must lie in [0, 1]", file=sys.stderr)
+        return 2
+    if matches is not None and not 1 <= matches <= 100:
+        print("--max-matches must lie in 1..100", file=sys.stderr)
+        return 2
+    updated = await clients.update_search_settings(
+        client_id,
+        score if score_given else info.min_score,
+        int(matches) if matches is not None else (None if matches_given else info.max_matches),
+    )
+    print(json.dumps(dataclasses.asdict(updated)))
+    return 0
+
+
+async def _clients(
+    settings: Settings,
+    action: str,
+    value: str | None,
+    min_score: str | None = None,
+    max_matches: str | None = None,
+) -> int:
     from serve_app.wiring import redis_stores
 
     clients = redis_stores(settings).clients
@@ -90,6 +130,11 @@ async def _clients(settings: Settings, action: str, value: str | None) -> int:
     elif action == "list":
         for info in await clients.list():
             print(json.dumps(dataclasses.asdict(info)))
+    elif action == "update":
+        if not value:
+            print("update needs a CLIENT_ID", file=sys.stderr)
+            return 2
+        return await _update_client(clients, value, min_score, max_matches)
     elif action == "revoke":
         if not value:
             print("revoke needs a CLIENT_ID", file=sys.stderr)
@@ -102,6 +147,7 @@ async def _clients(settings: Settings, action: str, value: str | None) -> int:
 
 
 async def _reconcile(settings: Settings) -> int:
+    from models.embedder import MODEL_VERSION
     from serve_app.pipelines.reconcile import reconcile
     from serve_app.stores.blobs import LocalBlobStore
     from serve_app.wiring import gallery_store, redis_stores
@@ -113,6 +159,7 @@ async def _reconcile(settings: Settings) -> int:
         LocalBlobStore(settings.blob_dir),
         transactions=stores.transactions,
         orphan_grace_s=settings.orphan_upload_grace_s,
+        model_version=MODEL_VERSION,
     )
     print(json.dumps(dataclasses.asdict(report)))
     return 0
@@ -136,8 +183,14 @@ def main(argv: list[str] | None = None) -> int:
         help="Ray's Prometheus endpoint on 127.0.0.1 (custom facesearch metrics included)",
     )
     clients_parser = commands.add_parser("clients", help="manage API clients")
-    clients_parser.add_argument("action", choices=("create", "list", "revoke"))
-    clients_parser.add_argument("value", nargs="?", help="name (create) or client id (revoke)")
+    clients_parser.add_argument("action", choices=("create", "list", "revoke", "update"))
+    clients_parser.add_argument("value", nargs="?", help="name (create) or client id (revoke, update)")
+    clients_parser.add_argument(
+        "--min-score",
+        help="update: the tenant's minimum match score in [0, 1] (score = -log10(FMR)/10), or 'default' "
+        "for the gallery-size-calibrated default (false-positive identification rate <= 1%%)",
+    )
+    clients_parser.add_argument("--max-matches", help="update: matches returned (1-100), or 'default'")
     commands.add_parser(
         "reconcile", help="repair faces present in only one of Redis and Milvus; sweep orphaned blobs"
     )
@@ -149,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
 
     settings = resolve_backends(Settings.from_env())
     if options.command == "clients":
-        return asyncio.run(_clients(settings, options.action, options.value))
+        return asyncio.run(
+            _clients(settings, options.action, options.value, options.min_score, options.max_matches)
+        )
     return asyncio.run(_reconcile(settings))
 
 

@@ -57,7 +57,8 @@ class Settings:
     trusted_proxies: tuple[str, ...] = ()  # CIDRs whose X-Forwarded-For is believed
     requests_per_minute: int = 6000  # per client (tenant)
     max_matches: int = 10
-    match_min_score: float | None = None  # None: models.scoring's default threshold
+    # None: calibrated per tenant for its gallery size (models.calibration.min_score_for_gallery).
+    match_min_score: float | None = None
     worker_concurrency: int = 32  # transactions in flight per worker replica
     stale_after_s: float = 30.0  # a claimed transaction unacknowledged this long is reclaimed
     max_deliveries: int = 5  # after this many attempts a transaction is failed, not retried forever

@@ -7,8 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from models.embedder import MODEL_VERSION
-from models.scoring import DEFAULT_MIN_SCORE
+from models.calibration import FaceScoreCalibration
+from models.embedder import FUSED_DIM, MODEL_VERSION
 from serve_app.api.app import ApiServices
 from serve_app.api.limits import parse_networks
 from serve_app.api.tokens import TokenSigner
@@ -59,7 +59,12 @@ def redis_stores(settings: Settings) -> RedisStores:
 
 
 def gallery_store(settings: Settings) -> MilvusGalleryStore:
-    return MilvusGalleryStore(_require(settings.milvus_uri, "MILVUS_URI"), token=settings.milvus_token)
+    return MilvusGalleryStore(
+        _require(settings.milvus_uri, "MILVUS_URI"),
+        token=settings.milvus_token,
+        model_version=MODEL_VERSION,
+        dimension=FUSED_DIM,
+    )
 
 
 def build_api_services(settings: Settings) -> ApiServices:
@@ -90,9 +95,10 @@ def build_processor(settings: Settings, analysis: FaceAnalysisBackend) -> Transa
     policy = ProcessingPolicy(
         model_version=MODEL_VERSION,
         max_matches=settings.max_matches,
-        min_score=settings.match_min_score if settings.match_min_score is not None else DEFAULT_MIN_SCORE,
+        min_score=settings.match_min_score,
         max_image_pixels=settings.max_image_pixels,
         analysis_max_side=settings.analysis_max_side,
+        calibration=FaceScoreCalibration.load(),
     )
     return TransactionProcessor(
         stores.transactions,
@@ -101,6 +107,7 @@ def build_processor(settings: Settings, analysis: FaceAnalysisBackend) -> Transa
         LocalBlobStore(settings.blob_dir),
         DeadlineAnalysis(analysis, settings.model_call_timeout_s),
         policy,
+        clients=stores.clients,
     )
 
 

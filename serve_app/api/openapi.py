@@ -227,12 +227,41 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     },
 }
 
+_QUALITY = _object(
+    {
+        "reasons": {
+            "type": "array",
+            "items": {
+                "type": "string",
+                "enum": ["small_face", "low_detector_score", "blurry", "extreme_pose", "below_search_bar"],
+            },
+        },
+        "face_size_px": {"type": "number", "description": "shorter side of the face box"},
+        "detector_score": {"type": "number"},
+        "sharpness": {
+            "type": "number",
+            "description": "variance of the Laplacian of the aligned 112 px chip",
+        },
+        "yaw": {"type": "number", "description": "0 frontal, about +-1 with the nose in an eye's column"},
+        "pitch": {"type": "number", "description": "nose between eye line (0) and mouth line (1)"},
+        "roll_deg": {"type": "number"},
+    },
+    ["reasons"],
+)
+# Extension (like AWS IndexFaces' UnindexedFaces): present only when enrolment was asked for and the face
+# missed the quality gate's enrolment bar; the face was searched (face search) but not stored.
+_UNINDEXED_FACES = {
+    "type": "array",
+    "description": "Extension: the face was not enrolled because it misses the enrolment quality bar",
+    "items": _QUALITY,
+}
 _AGE_DATA = _object(
     {
         "reference_id": {"type": "string"},
         "age": {"type": ["integer", "null"]},
         "under_18": {"type": ["integer", "null"], "enum": [0, 50, 100, None]},
         "under_21": {"type": ["integer", "null"], "enum": [0, 50, 100, None]},
+        "unindexed_faces": _UNINDEXED_FACES,
     },
     ["reference_id", "age", "under_18", "under_21"],
 )
@@ -247,8 +276,10 @@ _FACE_DATA = _object(
                         "matched_faces": {
                             "type": "array",
                             "description": "[proof_id, score 0..1, proof URL (15 min), client_reference], "
-                            "best first; "
-                            "[] when none",
+                            "best first; [] when none. score = -log10(FMR)/10: the per-comparison "
+                            "false-match rate calibrated on labelled photos (0.3: 1e-3, 0.5: 1e-5, "
+                            "0.8: 1e-8). By default only matches that keep the false-positive "
+                            "identification rate <= 1% for the tenant's gallery size are listed",
                             "items": {
                                 "type": "array",
                                 "prefixItems": [
@@ -260,6 +291,13 @@ _FACE_DATA = _object(
                             },
                         },
                         "is_face_found": {"type": "boolean"},
+                        "unindexed_faces": _UNINDEXED_FACES,
+                        "probe_quality": {
+                            **_object({**_QUALITY["properties"], "search_ok": {"const": False}}, ["reasons"]),
+                            "description": "Extension, present only when the probe misses the search "
+                            "quality bar: it was searched against a ten times stricter false-positive "
+                            "rate and its scores are capped at 0.5",
+                        },
                     },
                     ["matched_faces", "is_face_found"],
                 )

@@ -1,8 +1,9 @@
 """Analysis across the separate detector, embedder and age deployments (the GPU topology).
 
 The worker letterboxes and aligns locally, so only fixed-size arrays cross the handles: a uint8 640x640
-letterboxed image to the detector, 150 px chips to the embedder and the subject's 224 px views to the age
-model (age runs on the largest face only).
+letterboxed image to the detector, 150 px (dlib) and 112 px (SFace) chips to the embedder, and the subject's
+224 px views to the age model (age runs on the largest face only). Each model runs only when the transaction
+needs it (face search: no age model; age estimation: embedders only when enrolling).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from ray.serve.handle import DeploymentHandle
 
 from models.analyzer import ModelConfig
 from models.types import AnalyzedFace, DetectedFace
+from serve_app.deployments.models import DescriptorChips
 
 
 class SplitAnalysis:
@@ -42,7 +44,10 @@ class SplitAnalysis:
         ages: Any = None
         calls = []
         if embed:
-            calls.append(self._embedder.embed.remote(crops.descriptor_chips))
+            assert crops.descriptor_chips is not None and crops.sface_chips is not None
+            calls.append(
+                self._embedder.embed.remote(DescriptorChips(crops.descriptor_chips, crops.sface_chips))
+            )
         if estimate_age:
             calls.append(self._age.estimate.remote(crops.age_views))
         results = list(await asyncio.gather(*calls))

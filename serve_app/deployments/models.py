@@ -18,6 +18,9 @@ import numpy as np
 from ray import serve
 
 from models.analyzer import FaceAnalyzer, ModelConfig, load_face_analyzer
+from models.chips import CHIP_SIZE as SFACE_CHIP_SIZE
+from models.convert import CHIP_SIZE as DLIB_CHIP_SIZE
+from models.embedder import FUSED_DIM
 from models.types import AnalyzedFace, DetectedFace
 from serve_app.deployments.batching import BatchConfig
 from serve_app.deployments.metrics import ModelMetrics
@@ -55,6 +58,26 @@ def _strip(face: AnalyzedFace, request: AnalysisRequest) -> AnalyzedFace:
         age=face.age if request.estimate_age else None,
         quality=face.quality,
     )
+
+
+_DLIB_SHAPE = (DLIB_CHIP_SIZE, DLIB_CHIP_SIZE, 3)
+_DLIB_BYTES = DLIB_CHIP_SIZE * DLIB_CHIP_SIZE * 3
+_SFACE_SHAPE = (SFACE_CHIP_SIZE, SFACE_CHIP_SIZE, 3)
+
+
+def _pair(chips: DescriptorChips) -> np.ndarray:
+    """[F, 150*150*3 + 112*112*3] uint8: each face's two chips side by side, flattened."""
+    count = len(chips.dlib)
+    if len(chips.sface) != count:
+        raise ValueError(f"{count} dlib chips but {len(chips.sface)} SFace chips")
+    return np.concatenate([chips.dlib.reshape(count, -1), chips.sface.reshape(count, -1)], axis=1)
+
+
+def _unpair(paired: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    count = len(paired)
+    dlib = np.ascontiguousarray(paired[:, :_DLIB_BYTES]).reshape(count, *_DLIB_SHAPE)
+    sface = np.ascontiguousarray(paired[:, _DLIB_BYTES:]).reshape(count, *_SFACE_SHAPE)
+    return dlib, sface
 
 
 def _apply_batch_config(config: BatchConfig, *methods: Any) -> None:
@@ -101,13 +124,12 @@ class FaceAnalysisModel:
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005)
     async def analyze_batch(self, requests: list[AnalysisRequest]) -> list[list[AnalyzedFace]]:
         started = time.perf_counter()
-        embed = any(request.embed for request in requests)
-        estimate_age = any(request.estimate_age for request in requests)
-        # One detector run over all images, one descriptor run and one age run over all their faces.
+        # One detector run over all images, one descriptor run and one age run over the faces of the
+        # requests that need each (a face search never runs the age model, an age estimate without
+        # enrolment never runs the embedders, even when they share a batch).
         images = [request.image for request in requests]
-        per_image = await self._lane.run(
-            lambda: self._analyzer.analyze(images, embed=embed, estimate_age=estimate_age)
-        )
+        needs = [(request.embed, request.estimate_age) for request in requests]
+        per_image = await self._lane.run(self._analyzer.analyze_each, images, needs)
         faces = sum(len(found) for found in per_image)
         self._metrics.observe_batch(len(requests), faces, time.perf_counter() - started)
         return [
@@ -141,9 +163,17 @@ class FaceDetectorModel:
         return found
 
 
+@dataclass(frozen=True)
+class DescriptorChips:
+    """The chips face model v2 needs for the faces of one image: dlib's 150 px and SFace's 112 px."""
+
+    dlib: np.ndarray  # uint8 [F, 150, 150, 3]
+    sface: np.ndarray  # uint8 [F, 112, 112, 3]
+
+
 @serve.deployment(max_ongoing_requests=64, health_check_period_s=10, ray_actor_options={"num_cpus": 1})
 class FaceEmbedderModel:
-    """dlib ResNet descriptors for 150 px chips, batched by faces."""
+    """Face model v2 vectors (dlib ResNet + SFace, fused) for aligned chips, batched by faces."""
 
     def __init__(self, model_config: dict[str, Any] | None = None) -> None:
         config = ModelConfig.from_dict(model_config or {})
@@ -158,11 +188,18 @@ class FaceEmbedderModel:
         _apply_batch_config(self._batch, self.embed)
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005)
-    async def embed(self, chip_sets: list[np.ndarray]) -> list[np.ndarray]:
+    async def embed(self, chip_sets: list[DescriptorChips]) -> list[np.ndarray]:
         started = time.perf_counter()
-        rows = await self._lane.run(_in_runs, chip_sets, self._batch.max_faces_per_run, self._embedder.embed)
-        self._metrics.observe_batch(len(chip_sets), sum(map(len, chip_sets)), time.perf_counter() - started)
-        return [np.asarray(part, dtype=np.float32).reshape(-1, 128) for part in rows]
+        # Both chip kinds travel as one array per face (row i of each), so runs split them together.
+        paired = [_pair(chips) for chips in chip_sets]
+        rows = await self._lane.run(_in_runs, paired, self._batch.max_faces_per_run, self._embed_paired)
+        faces = sum(len(chips.dlib) for chips in chip_sets)
+        self._metrics.observe_batch(len(chip_sets), faces, time.perf_counter() - started)
+        return [np.asarray(part, dtype=np.float32).reshape(-1, FUSED_DIM) for part in rows]
+
+    def _embed_paired(self, paired: np.ndarray) -> np.ndarray:
+        dlib_chips, sface_chips = _unpair(paired)
+        return self._embedder.embed(dlib_chips, sface_chips)
 
 
 @serve.deployment(max_ongoing_requests=64, health_check_period_s=10, ray_actor_options={"num_cpus": 1})

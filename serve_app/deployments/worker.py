@@ -12,6 +12,7 @@ from typing import Any
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from models.embedder import MODEL_VERSION
 from models.types import AnalyzedFace
 from serve_app.deployments.analysis import SplitAnalysis
 from serve_app.deployments.metrics import WorkerMetrics
@@ -103,6 +104,7 @@ class TransactionWorker:
                     blobs,
                     transactions=self._stores.transactions,
                     orphan_grace_s=self._settings.orphan_upload_grace_s,
+                    model_version=MODEL_VERSION,
                 )
                 logger.info("reconciliation: %s", report)
             except Exception as error:  # a backend outage: try again next round

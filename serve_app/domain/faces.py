@@ -34,11 +34,11 @@ class GalleryEntry:
     face_id: str
     tenant_id: str
     model_version: str
-    embedding: np.ndarray  # float32 [128]
+    embedding: np.ndarray  # float32 unit vector of the gallery's model version
     created_at: float
 
 
 @dataclass(frozen=True)
 class GalleryMatch:
     face_id: str
-    distance: float  # Euclidean distance between descriptors
+    similarity: float  # cosine between the probe's and the enrolled face's vectors (same model version)

@@ -11,19 +11,26 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from models.age_policy import subject_age
 from models.analyzer import largest_face
-from models.scoring import distance_from_score, score_from_distance
-from models.types import AnalyzedFace
+from models.calibration import DEFAULT_FPIR, FaceScoreCalibration
+from models.types import AnalyzedFace, FaceQuality
 from serve_app.domain.errors import ServiceError
 from serve_app.domain.faces import FaceRecord, GalleryEntry
 from serve_app.domain.transactions import Transaction, TransactionKind
 from serve_app.imaging.decode import decode_image
 from serve_app.pipelines.analysis import FaceAnalysisBackend
-from serve_app.stores.interfaces import BlobStore, FaceRecordStore, GalleryStore, TransactionStore
+from serve_app.stores.interfaces import (
+    BlobStore,
+    ClientStore,
+    FaceRecordStore,
+    GalleryStore,
+    TransactionStore,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -35,11 +42,42 @@ class ImageUnusable(ServiceError):
 @dataclass(frozen=True)
 class ProcessingPolicy:
     model_version: str
-    max_matches: int
-    min_score: float
+    max_matches: int  # default; a tenant may override it (ClientInfo.max_matches)
+    # None: the minimum score follows the tenant's gallery size (FPIR <= fpir); a tenant's own
+    # ClientInfo.min_score comes first, then this service-wide value, then the calibrated default.
+    min_score: float | None
     max_image_pixels: int
     analysis_max_side: int
+    calibration: FaceScoreCalibration
     override_lock_timeout_s: float = 30.0
+    fpir: float = DEFAULT_FPIR
+    # A probe below the quality gate's search bar still searches, but cannot produce certainty: it must
+    # clear the bar of a ten times lower FPIR, and its scores are capped at low_quality_score_cap (or at
+    # that bar, when it is higher), so a client reading the score never sees a confident match.
+    low_quality_fpir: float = DEFAULT_FPIR / 10
+    low_quality_score_cap: float = 0.5
+    tenant_cache_s: float = 5.0  # gallery size and per-tenant settings are re-read at most this often
+
+
+@dataclass(frozen=True)
+class _TenantSearch:
+    min_score: float | None
+    max_matches: int | None
+    gallery_size: int
+    read_at: float
+
+
+def quality_summary(quality: FaceQuality) -> dict[str, Any]:
+    """The measurements a client sees when a face misses a quality bar (the extension fields)."""
+    return {
+        "reasons": list(quality.reasons) or ["below_search_bar"],
+        "face_size_px": round(quality.face_size_px, 1),
+        "detector_score": round(quality.detector_score, 3),
+        "sharpness": round(quality.sharpness, 1),
+        "yaw": round(quality.yaw, 3),
+        "pitch": round(quality.pitch, 3),
+        "roll_deg": round(quality.roll_deg, 1),
+    }
 
 
 def enrolled_face_id(reference_id: str) -> str:
@@ -55,6 +93,7 @@ class TransactionProcessor:
         blobs: BlobStore,
         analysis: FaceAnalysisBackend,
         policy: ProcessingPolicy,
+        clients: ClientStore | None = None,
     ) -> None:
         self._transactions = transactions
         self._records = records
@@ -62,7 +101,8 @@ class TransactionProcessor:
         self._blobs = blobs
         self._analysis = analysis
         self._policy = policy
-        self._max_distance = distance_from_score(policy.min_score)
+        self._clients = clients
+        self._tenants: dict[str, _TenantSearch] = {}
 
     async def process(self, reference_id: str) -> None:
         """Bring one transaction to a final state. Raises on backend failures so the entry stays queued."""
@@ -103,16 +143,54 @@ class TransactionProcessor:
             raise ImageUnusable(error.message) from error
         return decoded.pixels
 
+    async def _tenant_search(self, tenant_id: str) -> _TenantSearch:
+        """The tenant's overrides and gallery size, cached briefly (one HGETALL and one SCARD)."""
+        now = time.monotonic()
+        cached = self._tenants.get(tenant_id)
+        if cached is not None and now - cached.read_at < self._policy.tenant_cache_s:
+            return cached
+        info = await self._clients.get(tenant_id) if self._clients is not None else None
+        fresh = _TenantSearch(
+            min_score=info.min_score if info is not None else None,
+            max_matches=info.max_matches if info is not None else None,
+            gallery_size=await self._records.count(tenant_id),
+            read_at=now,
+        )
+        if len(self._tenants) > 10_000:
+            self._tenants.clear()  # bounded: tenants are few, but never let the cache grow without limit
+        self._tenants[tenant_id] = fresh
+        return fresh
+
+    def _search_bar(self, tenant: _TenantSearch, low_quality: bool) -> tuple[float, float]:
+        """(minimum score, score cap) for one probe."""
+        calibration = self._policy.calibration
+        if tenant.min_score is not None:
+            min_score = tenant.min_score
+        elif self._policy.min_score is not None:
+            min_score = self._policy.min_score
+        else:
+            min_score = calibration.min_score_for_gallery(tenant.gallery_size, self._policy.fpir)
+        if not low_quality:
+            return min_score, 1.0
+        stricter = calibration.min_score_for_gallery(tenant.gallery_size, self._policy.low_quality_fpir)
+        min_score = max(min_score, stricter)
+        return min_score, max(min_score, self._policy.low_quality_score_cap)
+
     async def _face_search(self, tx: Transaction, image: Any) -> dict[str, Any]:
         faces = await self._analysis.analyze(image, embed=True, estimate_age=False)
         probe = largest_face(faces)
         if probe is None or probe.embedding is None:
             return {"is_face_found": False, "matched_faces": [], "_enrolled": False}
         own_face_id = enrolled_face_id(tx.reference_id)
+        tenant = await self._tenant_search(tx.tenant_id)
+        max_matches = tenant.max_matches or self._policy.max_matches
+        low_quality = probe.quality is not None and not probe.quality.search_ok
+        min_score, cap = self._search_bar(tenant, low_quality)
+        calibration = self._policy.calibration
         # Search before enrolling so the probe never matches itself; a retried transaction may find its own
         # face from the earlier attempt, which is filtered out too.
         matches = await self._gallery.search(
-            tx.tenant_id, probe.embedding, self._policy.max_matches + 1, self._max_distance
+            tx.tenant_id, probe.embedding, max_matches + 1, calibration.cosine_for_score(min_score)
         )
         # client_reference is kept only in the face records (see milvus_gallery); a vector whose record is
         # gone is debris of an interrupted removal, never a match.
@@ -120,16 +198,28 @@ class TransactionProcessor:
         matched = [
             [
                 match.face_id,
-                round(score_from_distance(match.distance), 6),
+                round(min(cap, calibration.score(match.similarity)), 6),
                 records[match.face_id].client_reference or "",
             ]
             for match in matches
             if match.face_id != own_face_id and match.face_id in records
-        ][: self._policy.max_matches]
-        enrolled = False
-        if tx.enroll_face:
-            enrolled = await self._enroll(tx, probe)
-        return {"is_face_found": True, "matched_faces": matched, "_enrolled": enrolled}
+        ][:max_matches]
+        result: dict[str, Any] = {"is_face_found": True, "matched_faces": matched}
+        if low_quality and probe.quality is not None:
+            result["probe_quality"] = {"search_ok": False, **quality_summary(probe.quality)}
+        result["_enrolled"] = await self._enroll_if_good(tx, probe, result) if tx.enroll_face else False
+        return result
+
+    async def _enroll_if_good(self, tx: Transaction, face: AnalyzedFace, result: dict[str, Any]) -> bool:
+        """Enrol the face unless it misses the quality gate's enrolment bar; then, like AWS IndexFaces'
+        UnindexedFaces, the result says which face was not stored and why."""
+        if face.quality is not None and not face.quality.enrol_ok:
+            result["unindexed_faces"] = [quality_summary(face.quality)]
+            return False
+        enrolled = await self._enroll(tx, face)
+        if enrolled:
+            self._tenants.pop(tx.tenant_id, None)  # the gallery grew: re-read its size next time
+        return enrolled
 
     async def _age_estimation(self, tx: Transaction, image: Any) -> dict[str, Any]:
         faces = await self._analysis.analyze(image, embed=tx.enroll_face, estimate_age=True)
@@ -138,15 +228,16 @@ class TransactionProcessor:
         age = subject_age(faces)
         if subject is None or age is None:
             return {"age": None, "under_18": None, "under_21": None, "_enrolled": False}
-        enrolled = False
-        if tx.enroll_face and subject.embedding is not None:
-            enrolled = await self._enroll(tx, subject)
-        return {
+        result: dict[str, Any] = {
             "age": age.age,
             "under_18": age.under_18,
             "under_21": age.under_21,
-            "_enrolled": enrolled,
         }
+        enrolled = False
+        if tx.enroll_face and subject.embedding is not None:
+            enrolled = await self._enroll_if_good(tx, subject, result)
+        result["_enrolled"] = enrolled
+        return result
 
     async def _enroll(self, tx: Transaction, face: AnalyzedFace) -> bool:
         """Enrol the face; False when an override was superseded by a later submission."""

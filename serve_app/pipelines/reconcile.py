@@ -4,6 +4,8 @@ Enrolment writes the record first and the vector second, and removal deletes the
 - a vector without a record can only be debris of an interrupted removal: delete it;
 - a record without a vector is an enrolment interrupted between its two writes. Its transaction is retried
   and completes it, so only records older than the grace period are removed (with their proof image).
+- a record of another face model version (a gallery enrolled before an upgrade) has its vector in that
+  version's own collection, not in this one: it is left alone (kept for re-indexing, never searched).
 
 Given the transaction store and an upload grace period, it also sweeps orphaned blobs: uploads and proofs
 that neither a queued transaction nor a face record refers to (an upload whose transaction was never
@@ -29,6 +31,7 @@ class ReconcileReport:
     records_removed: int
     records_in_grace: int
     blobs_removed: int = 0
+    records_other_version: int = 0
 
 
 async def reconcile(
@@ -39,17 +42,22 @@ async def reconcile(
     *,
     transactions: TransactionStore | None = None,
     orphan_grace_s: float | None = None,
+    model_version: str | None = None,
 ) -> ReconcileReport:
+    """model_version: the gallery's version; records of other versions are not this gallery's business."""
     record_ids = await records.all_face_ids()
     vector_ids = await gallery.all_face_ids()
     orphan_vectors = vector_ids - record_ids
     for tenant_id, face_id in sorted(orphan_vectors):
         await gallery.delete(tenant_id, [face_id])
-    removed = in_grace = 0
+    removed = in_grace = other_version = 0
     now = time.time()
     for tenant_id, face_id in sorted(record_ids - vector_ids):
         record = await records.get(tenant_id, face_id)
         if record is None:
+            continue
+        if model_version is not None and record.model_version != model_version:
+            other_version += 1
             continue
         if now - record.created_at < grace_s:
             in_grace += 1
@@ -72,6 +80,7 @@ async def reconcile(
         records_removed=removed,
         records_in_grace=in_grace,
         blobs_removed=blobs_removed,
+        records_other_version=other_version,
     )
 
 

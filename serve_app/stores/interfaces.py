@@ -80,6 +80,9 @@ class FaceRecordStore(Protocol):
 
     async def delete(self, tenant_id: str, face_id: str) -> None: ...
 
+    async def count(self, tenant_id: str) -> int:
+        """How many faces the tenant has enrolled (one set cardinality: cheap)."""
+
     async def all_face_ids(self, tenant_id: str | None = None) -> set[tuple[str, str]]:
         """(tenant_id, face_id) of every record; used by reconciliation."""
 
@@ -91,9 +94,10 @@ class GalleryStore(Protocol):
     async def add(self, entries: Sequence[GalleryEntry]) -> None: ...
 
     async def search(
-        self, tenant_id: str, embedding: np.ndarray, limit: int, max_distance: float
+        self, tenant_id: str, embedding: np.ndarray, limit: int, min_similarity: float
     ) -> list[GalleryMatch]:
-        """Nearest enrolled faces of this tenant only, closest first, within max_distance."""
+        """Most similar enrolled faces of this tenant and the store's model version only, best first, with
+        cosine similarity >= min_similarity."""
 
     async def delete(self, tenant_id: str, face_ids: Sequence[str]) -> None: ...
 
@@ -121,6 +125,9 @@ class ClientInfo:
     name: str
     created_at: float
     revoked: bool
+    # Per-tenant face-search overrides; None: the service default (calibrated for the gallery size).
+    min_score: float | None = None
+    max_matches: int | None = None
 
 
 class ClientStore(Protocol):
@@ -138,6 +145,11 @@ class ClientStore(Protocol):
     async def list(self) -> list[ClientInfo]: ...
 
     async def revoke(self, client_id: str) -> bool: ...
+
+    async def update_search_settings(
+        self, client_id: str, min_score: float | None, max_matches: int | None
+    ) -> ClientInfo | None:
+        """Set (a value) or clear (None) the tenant's overrides; None when the client is unknown."""
 
 
 class RateLimiter(Protocol):

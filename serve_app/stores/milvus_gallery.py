@@ -1,7 +1,10 @@
 """Face vectors in Milvus (a milvus-lite server or a Milvus cluster) through pymilvus' MilvusClient.
 
 - pymilvus is synchronous: every call runs in a worker thread (asyncio.to_thread).
-- Milvus' L2 metric returns the SQUARED distance; matches carry the Euclidean distance.
+- One collection per face model version (`{collection}_{model_version}`, dimension and all), and every
+  search is also filtered by model_version: vectors of different models are never compared. Vectors are
+  unit length and searched by inner product (metric IP), so a match carries the cosine similarity.
+  Galleries enrolled with an older version stay in their own collection, untouched and unsearched.
 - Filters are strings parsed by the server. milvus-lite 2.5.1 rejects filter templates (filter_params:
   "token recognition error at '{'"), so values are validated and quoted by `milvus_string()`; only
   tenant ids and face ids (both ours) ever reach a filter.
@@ -31,7 +34,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-DIMENSION = 128
 _ID_RE = re.compile(r"^[A-Za-z0-9_\-.:@]{1,64}$")
 _MAX_TOPK = 16384  # Milvus' limit on search limit
 _BATCH = 2000  # rows per insert / ids per delete request, well under gRPC's message size limit
@@ -68,6 +70,8 @@ class MilvusGalleryStore:
         collection: str = "faces",
         token: str = "",
         *,
+        model_version: str,
+        dimension: int,
         timeout_s: float = 10.0,
         index_type: str = "FLAT",
         nlist: int = 1024,
@@ -78,16 +82,18 @@ class MilvusGalleryStore:
         is created; an existing collection keeps its index."""
         if index_type not in ("FLAT", "IVF_FLAT"):
             raise ValueError("index_type must be FLAT or IVF_FLAT")
+        if dimension <= 0:
+            raise ValueError("dimension must be positive")
         self._uri = uri
-        self._collection = collection
+        self._model_version = _checked_id(model_version, "model_version")
+        self._collection = f"{collection}_{model_version}".replace(".", "_").replace("-", "_")
+        self._dimension = dimension
         self._token = token
         self._timeout_s = timeout_s
         self._index_type = index_type
         self._nlist = nlist
         self._nprobe = nprobe
         self._client: Any = None
-        # Collections created before client_reference moved to Redis have that column; it gets "".
-        self._legacy_reference_column = False
         self._init_lock = threading.Lock()  # a thread lock: initialisation runs in worker threads
 
     # -- plumbing ---------------------------------------------------------------------------------------
@@ -153,11 +159,11 @@ class MilvusGalleryStore:
             schema.add_field("tenant_id", DataType.VARCHAR, max_length=64)
             schema.add_field("model_version", DataType.VARCHAR, max_length=64)
             schema.add_field("created_at", DataType.INT64)
-            schema.add_field("embedding", DataType.FLOAT_VECTOR, dim=DIMENSION)
+            schema.add_field("embedding", DataType.FLOAT_VECTOR, dim=self._dimension)
             index_params = client.prepare_index_params()
             params = {"nlist": self._nlist} if self._index_type == "IVF_FLAT" else {}
             index_params.add_index(
-                field_name="embedding", index_type=self._index_type, metric_type="L2", params=params
+                field_name="embedding", index_type=self._index_type, metric_type="IP", params=params
             )
             try:
                 client.create_collection(
@@ -167,7 +173,7 @@ class MilvusGalleryStore:
                     consistency_level="Strong",
                     timeout=timeout,
                 )
-                logger.info("created Milvus collection %s (%s, L2)", self._collection, self._index_type)
+                logger.info("created Milvus collection %s (%s, IP)", self._collection, self._index_type)
             except MilvusException:
                 # Another replica may have created it first; anything else re-raises below.
                 if not client.has_collection(self._collection, timeout=timeout):
@@ -176,13 +182,11 @@ class MilvusGalleryStore:
             # Search parameters follow the index the collection actually has.
             described = client.describe_index(self._collection, "embedding", timeout=timeout) or {}
             self._index_type = str(described.get("index_type", self._index_type))
-            fields = (client.describe_collection(self._collection, timeout=timeout) or {}).get("fields", [])
-            self._legacy_reference_column = any(f.get("name") == "client_reference" for f in fields)
         client.load_collection(self._collection, timeout=timeout)
 
     def _search_params(self) -> dict[str, Any]:
         params: dict[str, Any] = {"nprobe": self._nprobe} if self._index_type == "IVF_FLAT" else {}
-        return {"metric_type": "L2", "params": params}
+        return {"metric_type": "IP", "params": params}
 
     # -- GalleryStore -----------------------------------------------------------------------------------
 
@@ -197,21 +201,23 @@ class MilvusGalleryStore:
             return
 
         def upsert(client: Any) -> None:
-            if self._legacy_reference_column:
-                for row in rows:
-                    row["client_reference"] = ""
             for start in range(0, len(rows), _BATCH):
                 client.upsert(self._collection, rows[start : start + _BATCH], timeout=self._timeout_s)
 
         await self._run(upsert)
 
-    @staticmethod
-    def _row(entry: GalleryEntry) -> dict[str, Any]:
-        if len(entry.model_version.encode()) > 64:
-            raise ValueError("model_version longer than 64 bytes")
-        vector = np.asarray(entry.embedding, dtype=np.float32).reshape(-1)
-        if vector.shape != (DIMENSION,) or not np.isfinite(vector).all():
-            raise ValueError(f"embedding must be {DIMENSION} finite floats")
+    def _checked_vector(self, embedding: np.ndarray) -> np.ndarray:
+        vector = np.asarray(embedding, dtype=np.float32).reshape(-1)
+        if vector.shape != (self._dimension,) or not np.isfinite(vector).all():
+            raise ValueError(f"embedding must be {self._dimension} finite floats")
+        return vector
+
+    def _row(self, entry: GalleryEntry) -> dict[str, Any]:
+        if entry.model_version != self._model_version:
+            raise ValueError(
+                f"a {entry.model_version!r} vector cannot join the {self._model_version!r} gallery"
+            )
+        vector = self._checked_vector(entry.embedding)
         return {
             "face_id": _checked_id(entry.face_id, "face_id"),
             "tenant_id": _checked_id(entry.tenant_id, "tenant_id"),
@@ -221,14 +227,15 @@ class MilvusGalleryStore:
         }
 
     async def search(
-        self, tenant_id: str, embedding: np.ndarray, limit: int, max_distance: float
+        self, tenant_id: str, embedding: np.ndarray, limit: int, min_similarity: float
     ) -> list[GalleryMatch]:
         if limit <= 0:
             return []
-        vector = np.asarray(embedding, dtype=np.float32).reshape(-1)
-        if vector.shape != (DIMENSION,) or not np.isfinite(vector).all():
-            raise ValueError(f"embedding must be {DIMENSION} finite floats")
-        expression = f"tenant_id == {milvus_string(_checked_id(tenant_id, 'tenant_id'))}"
+        vector = self._checked_vector(embedding)
+        expression = (
+            f"tenant_id == {milvus_string(_checked_id(tenant_id, 'tenant_id'))}"
+            f" and model_version == {milvus_string(self._model_version)}"
+        )
 
         def search(client: Any) -> list[Any]:
             result: list[Any] = client.search(
@@ -245,11 +252,11 @@ class MilvusGalleryStore:
 
         matches = []
         for hit in await self._run(search):
-            distance = math.sqrt(max(float(hit["distance"]), 0.0))
-            if distance > max_distance:
+            similarity = float(hit["distance"])  # metric IP: the inner product, i.e. the cosine
+            if not math.isfinite(similarity) or similarity < min_similarity:
                 continue
-            matches.append(GalleryMatch(face_id=str(hit["id"]), distance=distance))
-        matches.sort(key=lambda match: match.distance)
+            matches.append(GalleryMatch(face_id=str(hit["id"]), similarity=similarity))
+        matches.sort(key=lambda match: -match.similarity)
         return matches
 
     async def delete(self, tenant_id: str, face_ids: Sequence[str]) -> None:

@@ -53,6 +53,8 @@ class RedisClientStore:
             name=fields.get("name", ""),
             created_at=float(fields.get("created_at", "0")),
             revoked=fields.get("revoked") == "1",
+            min_score=float(fields["min_score"]) if fields.get("min_score") else None,
+            max_matches=int(fields["max_matches"]) if fields.get("max_matches") else None,
         )
 
     async def create(self, name: str) -> tuple[ClientInfo, str]:
@@ -117,6 +119,22 @@ class RedisClientStore:
             for client_id, fields in zip(client_ids, rows, strict=True)
             if fields
         ]
+
+    async def update_search_settings(
+        self, client_id: str, min_score: float | None, max_matches: int | None
+    ) -> ClientInfo | None:
+        key = self._client_key(client_id)
+        async with redis_errors():
+            if not await self._redis.exists(key):
+                return None
+            async with self._redis.pipeline(transaction=True) as pipe:
+                for name, value in (("min_score", min_score), ("max_matches", max_matches)):
+                    if value is None:
+                        pipe.hdel(key, name)
+                    else:
+                        pipe.hset(key, name, repr(value))
+                await pipe.execute()
+        return await self.get(client_id)
 
     async def revoke(self, client_id: str) -> bool:
         """Marks the client revoked and forgets its secret hash index; False when the client is unknown."""

@@ -78,6 +78,10 @@ class RedisFaceRecordStore:
             if raw is not None
         }
 
+    async def count(self, tenant_id: str) -> int:
+        async with redis_errors():
+            return int(await self._redis.scard(self._faces_key(tenant_id)))
+
     async def latest_for_reference(self, tenant_id: str, client_reference: str) -> FaceRecord | None:
         key = self._ref_key(tenant_id, client_reference)
         async with redis_errors():

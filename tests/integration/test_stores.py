@@ -93,7 +93,9 @@ def make_tx(tenant: str = "tenant-a", **changes: Any) -> Transaction:
 
 
 def vector(rng: np.random.Generator) -> np.ndarray:
-    return rng.standard_normal(128).astype(np.float32)
+    """A unit vector, as face models store (the gallery searches by inner product)."""
+    raw = rng.standard_normal(128)
+    return (raw / np.linalg.norm(raw)).astype(np.float32)
 
 
 def test_stores_implement_the_interfaces(tmp_path: Path) -> None:
@@ -104,7 +106,7 @@ def test_stores_implement_the_interfaces(tmp_path: Path) -> None:
     records: FaceRecordStore = RedisFaceRecordStore(redis)
     clients: ClientStore = RedisClientStore(redis, pepper=PEPPER)
     limiter: RateLimiter = RedisRateLimiter(redis)
-    gallery_store: GalleryStore = MilvusGalleryStore("http://127.0.0.1:1")
+    gallery_store: GalleryStore = MilvusGalleryStore("http://127.0.0.1:1", model_version="v1", dimension=128)
     blobs: BlobStore = LocalBlobStore(tmp_path)
     assert all((transactions, queue, records, clients, limiter, gallery_store, blobs))
     with pytest.raises(ValueError):
@@ -449,6 +451,9 @@ def test_face_records(servers: EmbeddedServices) -> None:
             await store.put(old)
             await store.delete("tenant-a", new.face_id)  # idempotent
             assert await store.all_face_ids("tenant-a") == {("tenant-a", r.face_id) for r in (old, other)}
+            assert await store.count("tenant-a") == 2  # the gallery size behind the default minimum score
+            assert await store.count("tenant-b") == 1
+            assert await store.count("tenant-none") == 0
         finally:
             await redis.aclose()
 
@@ -569,7 +574,13 @@ def test_rate_limiter(servers: EmbeddedServices) -> None:
 
 
 def gallery(servers: EmbeddedServices, **options: Any) -> MilvusGalleryStore:
-    return MilvusGalleryStore(str(servers.milvus_uri), collection=f"faces_{uuid.uuid4().hex[:8]}", **options)
+    settings: dict[str, Any] = {
+        "collection": f"faces_{uuid.uuid4().hex[:8]}",
+        "model_version": "v1",
+        "dimension": 128,
+        **options,
+    }
+    return MilvusGalleryStore(str(servers.milvus_uri), **settings)
 
 
 def test_gallery_add_search_isolation_delete(servers: EmbeddedServices) -> None:
@@ -583,22 +594,23 @@ def test_gallery_add_search_isolation_delete(servers: EmbeddedServices) -> None:
             # Visible to the very next search (Strong consistency).
             first = await store.search("tenant-a", a[0].embedding, 5, 0.6)
             assert [m.face_id for m in first] == [a[0].face_id]
-            assert first[0].distance == pytest.approx(0.0, abs=1e-3)
+            assert first[0].similarity == pytest.approx(1.0, abs=1e-3)
 
             await store.add(a[1:] + b)
             await store.add(a[1:2])  # re-adding replaces, no duplicate
             assert await store.count() == 4
 
             probe = a[1].embedding + rng.standard_normal(128).astype(np.float32) * 0.01
-            matches = await store.search("tenant-a", probe, 10, 100.0)
+            probe /= np.linalg.norm(probe)
+            matches = await store.search("tenant-a", probe, 10, -1.0)
             assert matches[0].face_id == a[1].face_id
             assert {m.face_id for m in matches} == {e.face_id for e in a}  # never tenant-b's twin
-            expected = float(np.linalg.norm(probe - a[1].embedding))
-            assert matches[0].distance == pytest.approx(expected, rel=1e-3)  # Euclidean, not squared
-            assert [m.distance for m in matches] == sorted(m.distance for m in matches)
-            assert await store.search("tenant-a", probe, 10, expected * 1.01) == matches[:1]
-            assert await store.search("tenant-c", probe, 10, 100.0) == []
-            assert await store.search("tenant-a", probe, 0, 100.0) == []
+            expected = float(probe @ a[1].embedding)
+            assert matches[0].similarity == pytest.approx(expected, abs=1e-4)  # inner product = cosine
+            assert [m.similarity for m in matches] == sorted((m.similarity for m in matches), reverse=True)
+            assert await store.search("tenant-a", probe, 10, expected - 1e-3) == matches[:1]
+            assert await store.search("tenant-c", probe, 10, -1.0) == []
+            assert await store.search("tenant-a", probe, 0, -1.0) == []
 
             assert await store.all_face_ids("tenant-b") == {("tenant-b", b[0].face_id)}
             assert await store.all_face_ids() == {(e.tenant_id, e.face_id) for e in a + b}
@@ -606,11 +618,11 @@ def test_gallery_add_search_isolation_delete(servers: EmbeddedServices) -> None:
             await store.delete("tenant-b", [a[0].face_id])  # another tenant's id: nothing happens
             assert await store.count() == 4
             await store.delete("tenant-a", [a[0].face_id, a[2].face_id])
-            assert [m.face_id for m in await store.search("tenant-a", probe, 10, 100.0)] == [a[1].face_id]
+            assert [m.face_id for m in await store.search("tenant-a", probe, 10, -1.0)] == [a[1].face_id]
             assert await store.count() == 2
 
             with pytest.raises(ValueError):
-                await store.search('tenant-a" or tenant_id != "x', probe, 10, 100.0)
+                await store.search('tenant-a" or tenant_id != "x', probe, 10, -1.0)
             with pytest.raises(ValueError):
                 await store.add([GalleryEntry("f", "tenant-a", "v1", np.zeros(64, np.float32), 0.0)])
         finally:
@@ -652,13 +664,40 @@ def test_gallery_keeps_working_on_a_collection_with_the_old_reference_column(
     run(scenario)
 
 
+def test_gallery_versions_never_meet(servers: EmbeddedServices) -> None:
+    """Vectors of one face model version are never compared with another's: each version has its own
+    collection (and dimension), and a vector of another version cannot be added."""
+
+    async def scenario() -> None:
+        base = f"faces_{uuid.uuid4().hex[:8]}"
+        old = gallery(servers, collection=base, model_version="v1", dimension=128)
+        new = gallery(servers, collection=base, model_version="v2", dimension=256)
+        rng = np.random.default_rng(3)
+        try:
+            shared = vector(rng)
+            await old.add([GalleryEntry("face-old", "tenant-a", "v1", shared, time.time())])
+            twin = np.concatenate([shared, shared]) / np.sqrt(2.0)
+            await new.add([GalleryEntry("face-new", "tenant-a", "v2", twin.astype(np.float32), time.time())])
+            assert [m.face_id for m in await new.search("tenant-a", twin, 10, -1.0)] == ["face-new"]
+            assert [m.face_id for m in await old.search("tenant-a", shared, 10, -1.0)] == ["face-old"]
+            with pytest.raises(ValueError, match="cannot join"):
+                await new.add([GalleryEntry("face-x", "tenant-a", "v1", twin.astype(np.float32), 0.0)])
+            with pytest.raises(ValueError):
+                await new.search("tenant-a", shared, 10, -1.0)  # a 128-d probe against the 256-d gallery
+        finally:
+            await old.close()
+            await new.close()
+
+    run(scenario)
+
+
 def test_milvus_restart_keeps_vectors_and_outage_is_backend_unavailable(tmp_path: Path) -> None:
     server = EmbeddedMilvus(tmp_path / "milvus")
     server.start()
     try:
 
         async def scenario() -> None:
-            store = MilvusGalleryStore(server.uri, timeout_s=2.0)
+            store = MilvusGalleryStore(server.uri, timeout_s=2.0, model_version="v1", dimension=128)
             entry = GalleryEntry("face-1", "tenant-a", "v1", vector(np.random.default_rng(1)), time.time())
             try:
                 await store.add([entry])
@@ -680,7 +719,9 @@ def test_milvus_restart_keeps_vectors_and_outage_is_backend_unavailable(tmp_path
 
 def test_milvus_unreachable_fails_fast() -> None:
     async def scenario() -> None:
-        store = MilvusGalleryStore(f"http://127.0.0.1:{free_port()}", timeout_s=2.0)
+        store = MilvusGalleryStore(
+            f"http://127.0.0.1:{free_port()}", timeout_s=2.0, model_version="v1", dimension=128
+        )
         for call in (
             lambda: store.search("tenant-a", np.zeros(128, np.float32), 5, 1.0),
             lambda: store.count(),
@@ -718,5 +759,27 @@ def test_local_blob_store(tmp_path: Path) -> None:
         leftovers = [p for p in (tmp_path / "blobs").rglob("*") if p.is_file()]
         assert leftovers == []  # nothing written, no temp files left
         assert not (tmp_path / "etc").exists()
+
+    run(scenario)
+
+
+def test_client_search_settings_are_stored_and_cleared(servers: EmbeddedServices) -> None:
+    async def scenario() -> None:
+        redis = connect_redis(str(servers.redis_url))
+        store = RedisClientStore(redis, pepper=PEPPER, prefix=prefix())
+        try:
+            info, secret = await store.create("tenant")
+            assert (info.min_score, info.max_matches) == (None, None)
+            updated = await store.update_search_settings(info.client_id, min_score=0.62, max_matches=3)
+            assert updated is not None and (updated.min_score, updated.max_matches) == (0.62, 3)
+            assert await store.verify(info.client_id, secret) == updated  # the secret is untouched
+            [listed] = await store.list()
+            assert (listed.min_score, listed.max_matches) == (0.62, 3)
+            cleared = await store.update_search_settings(info.client_id, min_score=None, max_matches=3)
+            assert cleared is not None and (cleared.min_score, cleared.max_matches) == (None, 3)
+            assert await store.update_search_settings("cl_unknown", 0.5, None) is None
+            assert await store.get("cl_unknown") is None  # no record was created for it
+        finally:
+            await redis.aclose()
 
     run(scenario)

@@ -5,7 +5,8 @@ They honour the Protocol semantics the pipelines rely on:
 - work queue: consumer-group semantics: claim hands out undelivered entries, an entry stays pending until
   acknowledged, reclaim_stale hands pending entries idle for min_idle_ms to another consumer and bumps their
   delivery count; asking for zero entries is refused as Redis refuses COUNT 0;
-- gallery: search is filtered by tenant and max_distance and sorted by distance, closest first;
+- gallery: search is filtered by tenant and min_similarity (inner product of unit vectors) and sorted by
+  similarity, best first;
 - records: reference_lock is a real mutual-exclusion lock per (tenant, client_reference); the latest face of
   a reference is the one with the newest created_at;
 - rate limiter: fixed windows counting every hit, like the Redis limiter.
@@ -40,6 +41,7 @@ import httpx
 import numpy as np
 from PIL import Image
 
+from models.calibration import FaceScoreCalibration
 from models.types import AgeEstimate, AnalyzedFace, DetectedFace, FaceQuality
 from serve_app.api.app import ApiServices, create_app
 from serve_app.api.limits import parse_networks
@@ -54,7 +56,7 @@ from serve_app.pipelines.proofs import ProofService
 from serve_app.pipelines.transactions import TransactionService
 from serve_app.stores.interfaces import ClientInfo, QueueEntry
 
-EMBEDDING_SIZE = 128
+EMBEDDING_SIZE = 256  # face model v2 (models.embedder.FUSED_DIM)
 
 
 class ManualClock:
@@ -321,6 +323,10 @@ class FakeFaceRecordStore:
             self._put_order[key] = next(self._order)
         self._items[key] = record
 
+    async def count(self, tenant_id: str) -> int:
+        await self._faults.check("records.count")
+        return sum(1 for tenant, _ in self._items if tenant == tenant_id)
+
     async def get(self, tenant_id: str, face_id: str) -> FaceRecord | None:
         await self._faults.check("records.get")
         _encodable(tenant_id, face_id)
@@ -394,7 +400,7 @@ class FakeGalleryStore:
     def __init__(self, faults: Faults | None = None) -> None:
         self._faults = faults or Faults()
         self._items: dict[tuple[str, str], GalleryEntry] = {}
-        self.searches: list[tuple[str, int, float]] = []  # (tenant_id, limit, max_distance)
+        self.searches: list[tuple[str, int, float]] = []  # (tenant_id, limit, min_similarity)
 
     async def add(self, entries: Sequence[GalleryEntry]) -> None:
         await self._faults.check("gallery.add")
@@ -404,19 +410,19 @@ class FakeGalleryStore:
             self._items[(entry.tenant_id, entry.face_id)] = dataclasses.replace(entry, embedding=embedding)
 
     async def search(
-        self, tenant_id: str, embedding: np.ndarray, limit: int, max_distance: float
+        self, tenant_id: str, embedding: np.ndarray, limit: int, min_similarity: float
     ) -> list[GalleryMatch]:
         await self._faults.check("gallery.search")
-        self.searches.append((tenant_id, limit, max_distance))
+        self.searches.append((tenant_id, limit, min_similarity))
         probe = np.asarray(embedding, dtype=np.float64)
         scored = []
         for (tenant, face_id), entry in self._items.items():
             if tenant != tenant_id:
                 continue
-            distance = float(np.linalg.norm(entry.embedding.astype(np.float64) - probe))
-            if distance <= max_distance:
-                scored.append(GalleryMatch(face_id, distance))
-        scored.sort(key=lambda match: (match.distance, match.face_id))
+            similarity = float(entry.embedding.astype(np.float64) @ probe)
+            if similarity >= min_similarity:
+                scored.append(GalleryMatch(face_id, similarity))
+        scored.sort(key=lambda match: (-match.similarity, match.face_id))
         return scored[:limit]
 
     async def delete(self, tenant_id: str, face_ids: Sequence[str]) -> None:
@@ -529,6 +535,17 @@ class FakeClientStore:
         self._clients[client_id] = dataclasses.replace(client, revoked=True)
         return True
 
+    async def update_search_settings(
+        self, client_id: str, min_score: float | None, max_matches: int | None
+    ) -> ClientInfo | None:
+        await asyncio.sleep(0)
+        client = self._clients.get(client_id)
+        if client is None:
+            return None
+        updated = dataclasses.replace(client, min_score=min_score, max_matches=max_matches)
+        self._clients[client_id] = updated
+        return updated
+
 
 class FakeRateLimiter:
     """Fixed windows, like the Redis limiter: a window opens at a key's first event and lasts window_s;
@@ -591,16 +608,18 @@ class FakeRateLimiter:
 
 
 def embedding(seed: int) -> np.ndarray:
-    """A descriptor-like vector (norm about 1.4, like dlib's); different seeds are far apart (> 1.0)."""
+    """A unit vector like face model v2's; different seeds are nearly orthogonal (|cosine| < 0.3)."""
     vector = np.random.default_rng(seed).normal(size=EMBEDDING_SIZE)
-    return (vector / np.linalg.norm(vector) * 1.4).astype(np.float32)
+    return (vector / np.linalg.norm(vector)).astype(np.float32)
 
 
-def at_distance(base: np.ndarray, distance: float, seed: int = 0) -> np.ndarray:
-    """A vector exactly `distance` away from base (in float64 terms, up to float32 rounding)."""
+def at_cosine(base: np.ndarray, cosine: float, seed: int = 0) -> np.ndarray:
+    """A unit vector whose cosine with the unit vector base is `cosine` (up to float32 rounding)."""
+    unit = base.astype(np.float64) / np.linalg.norm(base)
     direction = np.random.default_rng(10_000 + seed).normal(size=EMBEDDING_SIZE)
+    direction -= (direction @ unit) * unit
     direction /= np.linalg.norm(direction)
-    return (base.astype(np.float64) + direction * distance).astype(np.float32)
+    return (cosine * unit + math.sqrt(max(0.0, 1.0 - cosine * cosine)) * direction).astype(np.float32)
 
 
 def age_estimate(age: int) -> AgeEstimate:
@@ -636,19 +655,24 @@ def face(
     )
 
 
-def face_quality(ok: bool = True) -> FaceQuality:
-    """A quality verdict for fake faces: passing both bars, or failing both for blur."""
+def quality(enrol_ok: bool = True, search_ok: bool = True, reasons: tuple[str, ...] = ()) -> FaceQuality:
+    """A quality verdict as models.quality gives it (measurements of a plausible face)."""
     return FaceQuality(
-        face_size_px=100.0,
-        detector_score=0.99,
-        sharpness=120.0 if ok else 5.0,
+        face_size_px=120.0,
+        detector_score=0.95,
+        sharpness=200.0,
         yaw=0.0,
         pitch=0.5,
         roll_deg=0.0,
-        enrol_ok=ok,
-        search_ok=ok,
-        reasons=() if ok else ("blurry",),
+        enrol_ok=enrol_ok,
+        search_ok=search_ok,
+        reasons=reasons,
     )
+
+
+def face_quality(ok: bool = True) -> FaceQuality:
+    """A verdict passing both bars, or failing both for blur."""
+    return quality(enrol_ok=ok, search_ok=ok, reasons=() if ok else ("blurry",))
 
 
 Color = tuple[int, int, int]
@@ -740,12 +764,14 @@ def jpeg(size: tuple[int, int] = (32, 24), color: Color = (120, 90, 60)) -> byte
 # ------------------------------------------------------------------------------------------- world
 
 TEST_POLICY = ProcessingPolicy(
-    model_version="unit-test-v1",
+    model_version="unit-test-v2",
     max_matches=10,
-    min_score=0.5,
+    min_score=0.5,  # fixed, so tests do not depend on gallery sizes unless they ask (min_score=None)
     max_image_pixels=40_000_000,
     analysis_max_side=1920,
+    calibration=FaceScoreCalibration.load(),
     override_lock_timeout_s=5.0,
+    tenant_cache_s=0.0,
 )
 
 
@@ -762,6 +788,7 @@ class World:
     blobs: FakeBlobStore = field(init=False)
     analysis: ScriptedAnalysis = field(default_factory=ScriptedAnalysis)
     policy: ProcessingPolicy = TEST_POLICY
+    clients: FakeClientStore = field(default_factory=FakeClientStore)
 
     def __post_init__(self) -> None:
         clock: Callable[[], float] = self.queue_clock if self.queue_clock is not None else time.monotonic
@@ -779,7 +806,13 @@ class World:
 
     def processor(self) -> TransactionProcessor:
         return TransactionProcessor(
-            self.transactions, self.record_store, self.gallery, self.blobs, self.analysis, self.policy
+            self.transactions,
+            self.record_store,
+            self.gallery,
+            self.blobs,
+            self.analysis,
+            self.policy,
+            clients=self.clients,
         )
 
     def transaction_service(self, max_image_pixels: int = 40_000_000) -> TransactionService:

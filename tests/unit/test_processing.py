@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 
-from models.scoring import distance_from_score, score_from_distance
 from serve_app.domain.errors import BackendUnavailable
 from serve_app.domain.transactions import Transaction, TransactionState
 from serve_app.pipelines.commands import AgeEstimationCommand, FaceSearchCommand
@@ -19,10 +18,11 @@ from tests.unit.fakes import (
     Color,
     NonExclusiveRecordStore,
     World,
-    at_distance,
+    at_cosine,
     embedding,
     face,
     face_quality,
+    quality,
     solid_png,
 )
 
@@ -82,7 +82,7 @@ def test_search_runs_before_enrolment_so_a_probe_never_matches_itself() -> None:
         assert record.model_version == TEST_POLICY.model_version
         assert first.image_key in world.blobs.items  # the upload is now the proof image
 
-        # The same face again matches the first enrolment (distance 0), never its own new one.
+        # The same face again matches the first enrolment (cosine 1), never its own new one.
         second = await submit_search(world, RED)
         await world.processor().process(second.reference_id)
         assert matched(world, second) == [[own, pytest.approx(1.0, abs=1e-4), "customer-1"]]
@@ -94,11 +94,13 @@ def test_search_runs_before_enrolment_so_a_probe_never_matches_itself() -> None:
 def test_matches_are_the_tenants_own_closest_first_within_the_minimum_score() -> None:
     async def scenario() -> None:
         world = World(policy=dataclasses.replace(TEST_POLICY, max_matches=3))
+        calibration = TEST_POLICY.calibration
         probe = embedding(1)
-        distances = {"near": 0.1, "mid": 0.3, "edge": 0.55, "far": 0.65, "farther": 0.9}
-        for index, (face_id, distance) in enumerate(distances.items()):
+        edge = calibration.cosine_for_score(0.5)  # TEST_POLICY's minimum score
+        cosines = {"near": 0.98, "mid": 0.9, "edge": edge + 0.002, "far": edge - 0.002, "farther": 0.5}
+        for index, (face_id, cosine) in enumerate(cosines.items()):
             reference = None if face_id == "mid" else f"ref-{face_id}"
-            await world.enrol(TENANT, face_id, at_distance(probe, distance, index), reference)
+            await world.enrol(TENANT, face_id, at_cosine(probe, cosine, index), reference)
         await world.enrol(OTHER_TENANT, "foreign", probe, "someone-else")  # identical, other tenant
         world.analysis.faces_by_color[RED] = [face(probe)]
 
@@ -110,14 +112,14 @@ def test_matches_are_the_tenants_own_closest_first_within_the_minimum_score() ->
         assert [entry[2] for entry in result] == ["ref-near", "", "ref-edge"]
         scores = [float(str(entry[1])) for entry in result]
         assert all(isinstance(entry[1], float) for entry in result)
-        expected = [score_from_distance(distances[str(entry[0])]) for entry in result]
+        expected = [calibration.score(cosines[str(entry[0])]) for entry in result]
         assert scores == pytest.approx(expected, abs=1e-4)
         assert all(0.5 <= score <= 1.0 for score in scores)
         assert scores == sorted(scores, reverse=True)
-        tenant, limit, radius = world.gallery.searches[-1]
+        tenant, limit, min_similarity = world.gallery.searches[-1]
         assert tenant == TENANT
         assert limit == 4  # one extra in case the transaction's own face is among them
-        assert radius == pytest.approx(distance_from_score(0.5)) == pytest.approx(0.6)
+        assert min_similarity == pytest.approx(edge)
 
     asyncio.run(scenario())
 
@@ -127,7 +129,7 @@ def test_match_list_is_capped_at_max_matches() -> None:
         world = World(policy=dataclasses.replace(TEST_POLICY, max_matches=2))
         probe = embedding(1)
         for index in range(5):
-            await world.enrol(TENANT, f"face-{index}", at_distance(probe, 0.05 + 0.1 * index, index))
+            await world.enrol(TENANT, f"face-{index}", at_cosine(probe, 0.99 - 0.03 * index, index))
         world.analysis.faces_by_color[RED] = [face(probe)]
         tx = await submit_search(world, RED, enroll_face=False)
         await world.processor().process(tx.reference_id)
@@ -140,7 +142,7 @@ def test_retry_after_a_crash_between_enrolment_and_completion_enrols_once_and_sk
     async def scenario() -> None:
         world = World(policy=dataclasses.replace(TEST_POLICY, max_matches=1))
         probe = embedding(1)
-        await world.enrol(TENANT, "other", at_distance(probe, 0.2), "customer-2")
+        await world.enrol(TENANT, "other", at_cosine(probe, 0.95), "customer-2")
         world.analysis.faces_by_color[RED] = [face(probe)]
         tx = await submit_search(world, RED, client_reference="customer-1")
         own = enrolled_face_id(tx.reference_id)
@@ -156,7 +158,7 @@ def test_retry_after_a_crash_between_enrolment_and_completion_enrols_once_and_sk
         final = world.transactions.peek(tx.reference_id)
         assert final.state is TransactionState.COMPLETED
         assert final.attempts == 2
-        # The earlier attempt's face is at distance 0 and comes back from the gallery first; it is dropped,
+        # The earlier attempt's face is identical and comes back from the gallery first; it is dropped,
         # and max_matches=1 still leaves room for the real match.
         assert [entry[0] for entry in matched(world, tx)] == ["other"]
         assert world.gallery.face_ids(TENANT) == {"other", own}
@@ -402,7 +404,7 @@ def test_enroll_face_false_never_writes_to_the_gallery() -> None:
     async def scenario() -> None:
         world = World()
         probe = embedding(1)
-        await world.enrol(TENANT, "known", at_distance(probe, 0.2), "customer-7")
+        await world.enrol(TENANT, "known", at_cosine(probe, 0.95), "customer-7")
         adds_before = world.faults.calls.get("gallery.add", 0)
         puts_before = world.faults.calls.get("records.put", 0)
         world.analysis.faces_by_color[RED] = [face(probe, age=30)]
@@ -558,13 +560,155 @@ def test_match_references_come_from_the_face_records_and_vectors_without_a_recor
         world = World()
         reference = "顔認証" * 80 + "😀🧑‍🚀"  # 242 characters, over 700 UTF-8 bytes
         world.analysis.faces_by_color[RED] = [face(embedding(1))]
-        await world.enrol(TENANT, "kept", at_distance(embedding(1), 0.1), client_reference=reference)
-        debris = await world.enrol(TENANT, "debris", at_distance(embedding(1), 0.05, seed=1))
+        await world.enrol(TENANT, "kept", at_cosine(embedding(1), 0.95), client_reference=reference)
+        debris = await world.enrol(TENANT, "debris", at_cosine(embedding(1), 0.97, seed=1))
         await world.record_store.delete(TENANT, debris.face_id)  # a removal interrupted after the record
         probe = await submit_search(world, RED, enroll_face=False)
         await world.processor().process(probe.reference_id)
         [(face_id, _score, returned)] = [tuple(entry) for entry in matched(world, probe)]
         assert face_id == "kept"
         assert isinstance(returned, str) and returned.encode() == reference.encode()
+
+    asyncio.run(scenario())
+
+
+def test_default_minimum_score_follows_the_tenants_gallery_size() -> None:
+    async def scenario() -> None:
+        world = World(policy=dataclasses.replace(TEST_POLICY, min_score=None))
+        calibration = TEST_POLICY.calibration
+        probe = embedding(1)
+        world.analysis.faces_by_color[RED] = [face(probe)]
+        # Score 0.45 (FMR 3e-5): enough against 100 faces (bar 0.4), not against 1,000 (bar 0.5).
+        await world.enrol(TENANT, "mate", at_cosine(probe, calibration.cosine_for_score(0.45)), "ref")
+        for index in range(99):
+            await world.enrol(TENANT, f"filler-{index}", embedding(100 + index))
+        tx = await submit_search(world, RED, enroll_face=False)
+        await world.processor().process(tx.reference_id)
+        assert [entry[0] for entry in matched(world, tx)] == ["mate"]
+        assert world.gallery.searches[-1][2] == pytest.approx(calibration.cosine_for_score(0.4), abs=1e-4)
+
+        for index in range(99, 999):
+            await world.enrol(TENANT, f"filler-{index}", embedding(100 + index))
+        tx = await submit_search(world, RED, enroll_face=False)
+        await world.processor().process(tx.reference_id)
+        assert matched(world, tx) == []
+        assert world.gallery.searches[-1][2] == pytest.approx(calibration.cosine_for_score(0.5), abs=1e-4)
+
+    asyncio.run(scenario())
+
+
+def test_a_tenants_own_minimum_score_and_match_count_come_first() -> None:
+    async def scenario() -> None:
+        world = World()  # service-wide minimum score 0.5
+        calibration = TEST_POLICY.calibration
+        tenant, _ = await world.clients.create("tenant")
+        probe = embedding(1)
+        world.analysis.faces_by_color[RED] = [face(probe)]
+        for index, score in enumerate((0.3, 0.35, 0.9, 0.95)):
+            vector = at_cosine(probe, calibration.cosine_for_score(score), index)
+            await world.enrol(tenant.client_id, f"face-{score}", vector)
+
+        async def search() -> list[object]:
+            tx = await submit_search(world, RED, tenant_id=tenant.client_id, enroll_face=False)
+            await world.processor().process(tx.reference_id)
+            return [entry[0] for entry in matched(world, tx)]
+
+        assert await search() == ["face-0.95", "face-0.9"]
+        await world.clients.update_search_settings(tenant.client_id, min_score=0.25, max_matches=3)
+        assert await search() == ["face-0.95", "face-0.9", "face-0.35"]
+        await world.clients.update_search_settings(tenant.client_id, min_score=None, max_matches=None)
+        assert await search() == ["face-0.95", "face-0.9"]
+
+    asyncio.run(scenario())
+
+
+def test_a_face_below_the_enrolment_bar_is_searched_but_not_enrolled() -> None:
+    async def scenario() -> None:
+        world = World()
+        probe = embedding(1)
+        await world.enrol(TENANT, "known", at_cosine(probe, 0.95), "customer-7")
+        blurry = quality(enrol_ok=False, search_ok=True, reasons=("blurry",))
+        world.analysis.faces_by_color[RED] = [face(probe, quality=blurry)]
+        tx = await submit_search(world, RED, client_reference="customer-1")
+        await world.processor().process(tx.reference_id)
+        final = world.transactions.peek(tx.reference_id)
+        assert final.result is not None
+        result = public_result(final.result)
+        assert [entry[0] for entry in result["matched_faces"]] == ["known"]
+        assert "probe_quality" not in result  # it meets the search bar
+        [unindexed] = result["unindexed_faces"]
+        assert unindexed["reasons"] == ["blurry"]
+        assert world.gallery.face_ids(TENANT) == {"known"}
+        assert await world.record_store.get(TENANT, enrolled_face_id(tx.reference_id)) is None
+        assert tx.image_key not in world.blobs.items  # not enrolled: the upload is not kept
+
+        # Age estimation that asks to enrol is gated the same way.
+        world.analysis.faces_by_color[GREEN] = [face(embedding(2), age=30, quality=blurry)]
+        age = await submit_age(world, GREEN)
+        await world.processor().process(age.reference_id)
+        age_result = world.transactions.peek(age.reference_id).result
+        assert age_result is not None and age_result["age"] == 30
+        assert age_result["unindexed_faces"][0]["reasons"] == ["blurry"]
+        assert world.gallery.face_ids(TENANT) == {"known"}
+
+    asyncio.run(scenario())
+
+
+def test_a_probe_below_the_search_bar_cannot_produce_certainty() -> None:
+    async def scenario() -> None:
+        world = World(policy=dataclasses.replace(TEST_POLICY, min_score=None))
+        calibration = TEST_POLICY.calibration
+        probe = embedding(1)
+        for index, score in enumerate((0.99, 0.35)):
+            await world.enrol(
+                TENANT, f"face-{score}", at_cosine(probe, calibration.cosine_for_score(score), index)
+            )
+        poor = quality(enrol_ok=False, search_ok=False, reasons=("small_face", "blurry"))
+        world.analysis.faces_by_color[RED] = [face(probe)]
+        world.analysis.faces_by_color[BLUE] = [face(probe, quality=poor)]
+
+        good = await submit_search(world, RED, enroll_face=False)
+        await world.processor().process(good.reference_id)
+        # Two faces: bar 0.23 (FPIR 1 %); both match, the best with its full score.
+        assert [(entry[0], entry[1]) for entry in matched(world, good)] == [
+            ("face-0.99", pytest.approx(0.99, abs=1e-3)),
+            ("face-0.35", pytest.approx(0.35, abs=1e-3)),
+        ]
+
+        weak = await submit_search(world, BLUE, enroll_face=False)
+        await world.processor().process(weak.reference_id)
+        result = world.transactions.peek(weak.reference_id).result
+        assert result is not None
+        # A ten times stricter FPIR (bar 0.33 for two faces) and every score capped at 0.5.
+        assert [(entry[0], entry[1]) for entry in result["matched_faces"]] == [
+            ("face-0.99", pytest.approx(TEST_POLICY.low_quality_score_cap)),
+            ("face-0.35", pytest.approx(0.35, abs=1e-3)),
+        ]
+        assert result["probe_quality"]["search_ok"] is False
+        assert result["probe_quality"]["reasons"] == ["small_face", "blurry"]
+        assert world.gallery.searches[-1][2] == pytest.approx(
+            calibration.cosine_for_score(calibration.min_score_for_gallery(2, TEST_POLICY.low_quality_fpir))
+        )
+
+    asyncio.run(scenario())
+
+
+def test_face_search_never_asks_for_an_age_and_age_estimation_embeds_only_to_enrol() -> None:
+    async def scenario() -> None:
+        world = World()
+        world.analysis.faces_by_color[RED] = [face(embedding(1), age=30)]
+        for tx in (
+            await submit_search(world, RED, enroll_face=True),
+            await submit_search(world, RED, enroll_face=False),
+            await submit_age(world, RED, enroll_face=False),
+            await submit_age(world, RED, enroll_face=True),
+        ):
+            await world.processor().process(tx.reference_id)
+        assert world.analysis.calls == [
+            (RED, True, False),
+            (RED, True, False),
+            (RED, False, True),
+            (RED, True, True),
+        ]
 
     asyncio.run(scenario())

@@ -1,91 +1,80 @@
-"""The split (GPU) topology's analysis gives the same faces, descriptors and ages as the fused analyzer.
-
-The three deployment handles are stood in for by objects whose `.method.remote(...)` runs the real model
-runner from models/ in process (no Ray): what is tested is SplitAnalysis's own work, cutting crops,
-asking only for what the transaction needs, and handing each answer back to its face.
-"""
+"""The split (GPU) topology's analysis: what crosses each handle, and which models a request runs."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
-from models.analyzer import ModelConfig, largest_face, load_face_analyzer
+from models.analyzer import ModelConfig
+from models.embedder import FUSED_DIM
 from serve_app.deployments.analysis import SplitAnalysis
+from serve_app.deployments.models import DescriptorChips, _pair, _unpair
 from tests.faces_dev import FacesDev
 
 
 class _Method:
-    def __init__(self, function: Callable[[Any], Any], calls: list[str], name: str) -> None:
-        self._function, self._calls, self._name = function, calls, name
+    """Stands in for `handle.method` with the `.remote(...)` awaitable of a Ray handle."""
 
-    async def remote(self, argument: Any) -> Any:
-        self._calls.append(self._name)
-        return self._function(argument)
+    def __init__(self, name: str, calls: list[tuple[str, Any]], answer: Any) -> None:
+        self._name, self._calls, self._answer = name, calls, answer
+
+    async def remote(self, payload: Any) -> Any:
+        self._calls.append((self._name, payload))
+        await asyncio.sleep(0)
+        return self._answer(payload)
 
 
 class _Handle:
-    def __init__(self, name: str, function: Callable[[Any], Any], calls: list[str]) -> None:
-        setattr(self, name, _Method(function, calls, name))
+    def __init__(self, **methods: _Method) -> None:
+        for name, method in methods.items():
+            setattr(self, name, method)
 
 
 @pytest.fixture(scope="module")
-def setup() -> tuple[SplitAnalysis, Any, list[str]]:
-    config = ModelConfig(intra_op_threads=1)
-    analyzer = load_face_analyzer(config)
-    calls: list[str] = []
-    split = SplitAnalysis(
-        detector=_Handle("detect", lambda item: analyzer.detector.detect_prepared([item])[0], calls),
-        embedder=_Handle("embed", analyzer.embedder.embed, calls),
-        age=_Handle("estimate", analyzer.age_estimator.estimate, calls),
-        model_config={"intra_op_threads": 1},
-    )
-    return split, analyzer, calls
-
-
-def _pixels(path: Any) -> np.ndarray:
-    with Image.open(path) as image:
+def photo(faces_dev: FacesDev) -> np.ndarray:
+    with Image.open(faces_dev.of_kind("identity")[0].path) as image:
         return np.asarray(ImageOps.exif_transpose(image).convert("RGB"))
 
 
-def test_split_matches_fused_on_a_group_photo(
-    faces_dev: FacesDev, setup: tuple[SplitAnalysis, Any, list[str]]
-) -> None:
-    split, analyzer, calls = setup
-    image = _pixels(faces_dev.of_kind("group")[0].path)
+def test_only_the_needed_deployments_are_called_with_aligned_chips(photo: np.ndarray) -> None:
+    config = ModelConfig()
+    detector = config.load_detector()
+    calls: list[tuple[str, Any]] = []
+    handles = {
+        "detector": _Handle(
+            detect=_Method("detect", calls, lambda boxed: detector.detect_prepared([boxed])[0])
+        ),
+        "embedder": _Handle(
+            embed=_Method("embed", calls, lambda chips: np.zeros((len(chips.dlib), FUSED_DIM), np.float32))
+        ),
+        "age": _Handle(estimate=_Method("estimate", calls, lambda chips: [None] * len(chips))),
+    }
+    split = SplitAnalysis(handles["detector"], handles["embedder"], handles["age"], {})  # type: ignore[arg-type]
+
+    faces = asyncio.run(split.analyze(photo, embed=True, estimate_age=False))
+    assert faces and all(face.embedding is not None and face.quality is not None for face in faces)
+    assert [name for name, _ in calls] == ["detect", "embed"]  # face search: no age model
+    chips = calls[1][1]
+    assert isinstance(chips, DescriptorChips)
+    assert chips.dlib.shape[1:] == (150, 150, 3) and chips.sface.shape[1:] == (112, 112, 3)
+    assert chips.dlib.dtype == chips.sface.dtype == np.uint8
+
     calls.clear()
-    faces = asyncio.run(split.analyze(image, embed=True, estimate_age=True))
-    (fused,) = analyzer.analyze([image])
-    assert len(faces) == len(fused) >= 2
-    subject = largest_face(faces)
-    assert subject is not None and subject.age is not None
-    for a, b in zip(faces, fused, strict=True):
-        np.testing.assert_allclose(a.detection.box, b.detection.box, atol=0.05)
-        assert a.embedding is not None and b.embedding is not None
-        np.testing.assert_allclose(a.embedding, b.embedding, atol=1e-4)
-        # Only the subject carries an age, the same one in both topologies.
-        assert (a.age is None) == (b.age is None) == (a is not subject)
-        if a.age is not None and b.age is not None:
-            assert a.age.expected_age == pytest.approx(b.age.expected_age, abs=1e-3)
-            assert (a.age.under_18, a.age.under_21) == (b.age.under_18, b.age.under_21)
-    assert sorted(calls) == ["detect", "embed", "estimate"]
+    faces = asyncio.run(split.analyze(photo, embed=False, estimate_age=True))
+    assert [name for name, _ in calls] == ["detect", "estimate"]  # age without enrolment: no embedder
+    assert all(face.embedding is None for face in faces)
 
 
-def test_split_age_without_enrolment_asks_no_descriptor(
-    faces_dev: FacesDev, setup: tuple[SplitAnalysis, Any, list[str]]
-) -> None:
-    split, _, calls = setup
-    image = _pixels(faces_dev.of_kind("age")[0].path)
-    calls.clear()
-    faces = asyncio.run(split.analyze(image, embed=False, estimate_age=True))
-    assert faces and all(face.embedding is None for face in faces)
-    assert calls == ["detect", "estimate"]
-    calls.clear()
-    faces = asyncio.run(split.analyze(image, embed=True, estimate_age=False))
-    assert faces and all(face.age is None for face in faces)
-    assert calls == ["detect", "embed"]
+def test_paired_chips_round_trip() -> None:
+    rng = np.random.default_rng(0)
+    chips = DescriptorChips(
+        rng.integers(0, 256, (3, 150, 150, 3), dtype=np.uint8),
+        rng.integers(0, 256, (3, 112, 112, 3), dtype=np.uint8),
+    )
+    dlib, sface = _unpair(_pair(chips))
+    np.testing.assert_array_equal(dlib, chips.dlib)
+    np.testing.assert_array_equal(sface, chips.sface)

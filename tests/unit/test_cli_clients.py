@@ -1,0 +1,37 @@
+"""`facesearch clients update` over a fake client store (the Redis store is covered in integration)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from serve_app.cli import _update_client
+from tests.unit.fakes import FakeClientStore
+
+
+def test_update_sets_keeps_and_clears_the_overrides(capsys: pytest.CaptureFixture[str]) -> None:
+    async def scenario() -> None:
+        clients = FakeClientStore()
+        info, _ = await clients.create("tenant")
+        assert await _update_client(clients, info.client_id, "0.62", "3") == 0
+        shown = json.loads(capsys.readouterr().out)
+        assert (shown["min_score"], shown["max_matches"]) == (0.62, 3)
+        assert await _update_client(clients, info.client_id, None, "5") == 0  # min score kept
+        stored = await clients.get(info.client_id)
+        assert stored is not None and (stored.min_score, stored.max_matches) == (0.62, 5)
+        assert await _update_client(clients, info.client_id, "default", None) == 0
+        stored = await clients.get(info.client_id)
+        assert stored is not None and (stored.min_score, stored.max_matches) == (None, 5)
+        assert await _update_client(clients, info.client_id, None, "default") == 0
+        stored = await clients.get(info.client_id)
+        assert stored is not None and (stored.min_score, stored.max_matches) == (None, None)
+
+        for bad in (("1.5", None), ("x", None), (None, "0"), (None, "1000")):
+            assert await _update_client(clients, info.client_id, *bad) == 2
+        assert await _update_client(clients, "cl_unknown", "0.5", None) == 1
+        stored = await clients.get(info.client_id)
+        assert stored is not None and (stored.min_score, stored.max_matches) == (None, None)
+
+    asyncio.run(scenario())

@@ -1,0 +1,91 @@
+"""The split (GPU) topology's analysis gives the same faces, descriptors and ages as the fused analyzer.
+
+The three deployment handles are stood in for by objects whose `.method.remote(...)` runs the real model
+runner from models/ in process (no Ray): what is tested is SplitAnalysis's own work, cutting crops,
+asking only for what the transaction needs, and handing each answer back to its face.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image, ImageOps
+
+from models.analyzer import ModelConfig, largest_face, load_face_analyzer
+from serve_app.deployments.analysis import SplitAnalysis
+from tests.faces_dev import FacesDev
+
+
+class _Method:
+    def __init__(self, function: Callable[[Any], Any], calls: list[str], name: str) -> None:
+        self._function, self._calls, self._name = function, calls, name
+
+    async def remote(self, argument: Any) -> Any:
+        self._calls.append(self._name)
+        return self._function(argument)
+
+
+class _Handle:
+    def __init__(self, name: str, function: Callable[[Any], Any], calls: list[str]) -> None:
+        setattr(self, name, _Method(function, calls, name))
+
+
+@pytest.fixture(scope="module")
+def setup() -> tuple[SplitAnalysis, Any, list[str]]:
+    config = ModelConfig(intra_op_threads=1)
+    analyzer = load_face_analyzer(config)
+    calls: list[str] = []
+    split = SplitAnalysis(
+        detector=_Handle("detect", lambda item: analyzer.detector.detect_prepared([item])[0], calls),
+        embedder=_Handle("embed", lambda chips: analyzer.embedder.embed(chips.dlib, chips.sface), calls),
+        age=_Handle("estimate", analyzer.age_estimator.estimate, calls),
+        model_config={"intra_op_threads": 1},
+    )
+    return split, analyzer, calls
+
+
+def _pixels(path: Any) -> np.ndarray:
+    with Image.open(path) as image:
+        return np.asarray(ImageOps.exif_transpose(image).convert("RGB"))
+
+
+def test_split_matches_fused_on_a_group_photo(
+    faces_dev: FacesDev, setup: tuple[SplitAnalysis, Any, list[str]]
+) -> None:
+    split, analyzer, calls = setup
+    image = _pixels(faces_dev.of_kind("group")[0].path)
+    calls.clear()
+    faces = asyncio.run(split.analyze(image, embed=True, estimate_age=True))
+    (fused,) = analyzer.analyze([image])
+    assert len(faces) == len(fused) >= 2
+    subject = largest_face(faces)
+    assert subject is not None and subject.age is not None
+    for a, b in zip(faces, fused, strict=True):
+        np.testing.assert_allclose(a.detection.box, b.detection.box, atol=0.05)
+        assert a.embedding is not None and b.embedding is not None
+        np.testing.assert_allclose(a.embedding, b.embedding, atol=1e-4)
+        # Only the subject carries an age, the same one in both topologies.
+        assert (a.age is None) == (b.age is None) == (a is not subject)
+        if a.age is not None and b.age is not None:
+            assert a.age.expected_age == pytest.approx(b.age.expected_age, abs=1e-3)
+            assert (a.age.under_18, a.age.under_21) == (b.age.under_18, b.age.under_21)
+    assert sorted(calls) == ["detect", "embed", "estimate"]
+
+
+def test_split_age_without_enrolment_asks_no_descriptor(
+    faces_dev: FacesDev, setup: tuple[SplitAnalysis, Any, list[str]]
+) -> None:
+    split, _, calls = setup
+    image = _pixels(faces_dev.of_kind("age")[0].path)
+    calls.clear()
+    faces = asyncio.run(split.analyze(image, embed=False, estimate_age=True))
+    assert faces and all(face.embedding is None for face in faces)
+    assert calls == ["detect", "estimate"]
+    calls.clear()
+    faces = asyncio.run(split.analyze(image, embed=True, estimate_age=False))
+    assert faces and all(face.age is None for face in faces)
+    assert calls == ["detect", "embed"]
