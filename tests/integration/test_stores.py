@@ -631,39 +631,6 @@ def test_gallery_add_search_isolation_delete(servers: EmbeddedServices) -> None:
     run(scenario)
 
 
-def test_gallery_keeps_working_on_a_collection_with_the_old_reference_column(
-    servers: EmbeddedServices,
-) -> None:
-    """Collections created before client_reference moved to Redis have a VARCHAR(256) column for it; the
-    store fills it with "" so those collections keep accepting rows without a migration."""
-    from pymilvus import DataType, MilvusClient
-
-    name = f"faces_{uuid.uuid4().hex[:8]}"
-    admin = MilvusClient(uri=str(servers.milvus_uri))
-    schema = admin.create_schema(auto_id=False, enable_dynamic_field=False)
-    schema.add_field("face_id", DataType.VARCHAR, max_length=64, is_primary=True)
-    schema.add_field("tenant_id", DataType.VARCHAR, max_length=64)
-    schema.add_field("client_reference", DataType.VARCHAR, max_length=256)
-    schema.add_field("model_version", DataType.VARCHAR, max_length=64)
-    schema.add_field("created_at", DataType.INT64)
-    schema.add_field("embedding", DataType.FLOAT_VECTOR, dim=128)
-    index_params = admin.prepare_index_params()
-    index_params.add_index(field_name="embedding", index_type="FLAT", metric_type="L2")
-    admin.create_collection(name, schema=schema, index_params=index_params, consistency_level="Strong")
-    admin.close()
-
-    async def scenario() -> None:
-        store = MilvusGalleryStore(str(servers.milvus_uri), collection=name)
-        entry = GalleryEntry("face-1", "tenant-a", "v1", vector(np.random.default_rng(3)), time.time())
-        try:
-            await store.add([entry])
-            assert [m.face_id for m in await store.search("tenant-a", entry.embedding, 5, 0.6)] == ["face-1"]
-        finally:
-            await store.close()
-
-    run(scenario)
-
-
 def test_gallery_versions_never_meet(servers: EmbeddedServices) -> None:
     """Vectors of one face model version are never compared with another's: each version has its own
     collection (and dimension), and a vector of another version cannot be added."""
