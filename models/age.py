@@ -32,6 +32,7 @@ import onnx
 import onnxruntime as ort
 from onnx import numpy_helper
 
+from models.arrays import flatten_views
 from models.errors import ModelFormatError
 from models.sessions import SessionOptions, create_session
 from models.types import AgeEstimate
@@ -182,18 +183,9 @@ class AgeEstimator:
 
     def probabilities(self, chips: np.ndarray) -> np.ndarray:
         """[N, 81] float64 class probabilities, averaged over views when chips is [N, V, 64, 64, 3]."""
-        if chips.dtype != np.uint8:
-            raise ValueError(f"age chips must be uint8, got {chips.dtype}")
-        if chips.ndim == 4:
-            chips = chips[:, None]
-        if chips.ndim != 5 or chips.shape[2:] != (AGE_CHIP_SIZE, AGE_CHIP_SIZE, 3):
-            raise ValueError(f"age chips must be [N, 64, 64, 3] or [N, V, 64, 64, 3], got {chips.shape}")
-        faces, views = chips.shape[:2]
+        flat, faces, views = flatten_views(chips, AGE_CHIP_SIZE, "age chips")
         if faces == 0:
             return np.zeros((0, _CLASSES), dtype=np.float64)
-        if views == 0:
-            raise ValueError("age chips need at least one view per face")
-        flat = chips.reshape(faces * views, AGE_CHIP_SIZE, AGE_CHIP_SIZE, 3)
         tensor = (flat.astype(np.float32) - _CHANNEL_MEANS) / np.float32(256.0)
         tensor = np.ascontiguousarray(tensor.transpose(0, 3, 1, 2))
         (output,) = self._session.run([_OUTPUT_NAME], {_INPUT_NAME: tensor})

@@ -26,6 +26,7 @@ import cv2
 import numpy as np
 import onnxruntime as ort
 
+from models.arrays import flatten_views
 from models.convert import default_models_dir, write_atomically
 from models.errors import ModelFormatError
 from models.npm_fetch import ensure_npm_files
@@ -221,18 +222,9 @@ class FaceresAgeEstimator:
 
     def probabilities(self, views: np.ndarray) -> np.ndarray:
         """[N, 100] float64 class probabilities averaged over views; views uint8 [N, V, 224, 224, 3] RGB."""
-        if views.dtype != np.uint8:
-            raise ValueError(f"age views must be uint8, got {views.dtype}")
-        if views.ndim == 4:
-            views = views[:, None]
-        if views.ndim != 5 or views.shape[2:] != (INPUT_SIZE, INPUT_SIZE, 3):
-            raise ValueError(f"age views must be [N, V, 224, 224, 3] or [N, 224, 224, 3], got {views.shape}")
-        faces, count = views.shape[:2]
+        flat, faces, count = flatten_views(views, INPUT_SIZE, "age views")
         if faces == 0:
             return np.zeros((0, _CLASSES), dtype=np.float64)
-        if count == 0:
-            raise ValueError("age views need at least one view per face")
-        flat = views.reshape(faces * count, INPUT_SIZE, INPUT_SIZE, 3)
         tensor = flat[..., ::-1].astype(np.float32) - _CAFFE_MEANS_BGR  # RGB -> BGR, Caffe means
         (output,) = self._session.run([_OUTPUT_NAME], {_INPUT_NAME: tensor})
         probabilities = np.asarray(output, dtype=np.float64).reshape(faces, count, _CLASSES).mean(axis=1)

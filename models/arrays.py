@@ -30,3 +30,20 @@ def to_rgb(image: np.ndarray) -> np.ndarray:
     if rgb.shape[0] == 0 or rgb.shape[1] == 0:
         raise ValueError(f"image has no pixels (shape {image.shape})")
     return np.ascontiguousarray(rgb)
+
+
+def flatten_views(views: np.ndarray, size: int, what: str) -> tuple[np.ndarray, int, int]:
+    """(uint8 [N*V, size, size, 3], N, V) from views [N, V, size, size, 3], or [N, size, size, 3] meaning
+    one view per face: the layout every age runner takes, checked once here."""
+    if views.dtype != np.uint8:
+        raise ValueError(f"{what} must be uint8, got {views.dtype}")
+    if views.ndim == 4:
+        views = views[:, None]
+    if views.ndim != 5 or views.shape[2:] != (size, size, 3):
+        raise ValueError(
+            f"{what} must be [N, V, {size}, {size}, 3] or [N, {size}, {size}, 3], got {views.shape}"
+        )
+    faces, count = int(views.shape[0]), int(views.shape[1])
+    if faces and count == 0:
+        raise ValueError(f"{what} need at least one view per face")
+    return views.reshape(faces * count, size, size, 3), faces, count
