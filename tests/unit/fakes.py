@@ -227,6 +227,9 @@ class FakeTransactionStore:
         self.queue = queue if queue is not None else FakeWorkQueue(faults)
         self._faults = faults or Faults()
         self._clock = clock
+        # (reference_id, timeout asked for, whether it ended on a final state) per wait_final call: what a
+        # test checks instead of the wall clock.
+        self.waits: list[tuple[str, float, bool]] = []
         self._items: dict[str, Transaction] = {}
         self.entry_of: dict[str, str] = {}  # reference_id -> stream entry id
 
@@ -283,6 +286,7 @@ class FakeTransactionStore:
         while True:
             tx = self._items.get(reference_id)
             if tx is None or tx.state.is_final or loop.time() >= deadline:
+                self.waits.append((reference_id, timeout_s, tx is not None and tx.state.is_final))
                 return copy.deepcopy(tx) if tx is not None else None
             await asyncio.sleep(0.005)
 
