@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -66,6 +67,17 @@ async def service_error_handler(request: Request, exc: Exception) -> JSONRespons
     if public is not None:
         return JSONResponse(error_body(public), status_code=status, headers=headers)
     return JSONResponse(error_body(exc.message, exc.details), status_code=status, headers=headers)
+
+
+async def request_validation_handler(request: Request, exc: Exception) -> JSONResponse:
+    """FastAPI's own parameter validation (e.g. a path parameter) answers like every broken rule: the
+    ValidationFailed envelope and status, never FastAPI's default 422 body."""
+    assert isinstance(exc, RequestValidationError)
+    problems = exc.errors()
+    location = problems[0].get("loc", ()) if problems else ()
+    name = str(location[-1]) if location else "request"
+    failure = domain.ValidationFailed(f"The field '{name}' is invalid.", {name: "invalid"})
+    return await service_error_handler(request, failure)
 
 
 async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:

@@ -1,0 +1,167 @@
+"""The response bodies of the interface as pydantic models, for the OpenAPI document FastAPI generates, and
+the `responses=` tables of the routes. Every body is the envelope {"status", "message", "result": {"data"}}
+or, for a failure, {"status": false, "message", "errors"} (serve_app/api/errors.py)."""
+
+from __future__ import annotations
+
+from typing import Any, Generic, Literal, TypeVar
+
+from pydantic import BaseModel, Field
+
+DataT = TypeVar("DataT")
+
+
+class Result(BaseModel, Generic[DataT]):
+    data: DataT
+
+
+class Envelope(BaseModel, Generic[DataT]):
+    status: Literal[True]
+    message: str
+    result: Result[DataT]
+
+
+class ErrorEnvelope(BaseModel):
+    status: Literal[False]
+    message: str
+    errors: dict[str, str]
+
+
+class TokenData(BaseModel):
+    token: str
+    token_type: str = "Bearer"
+    expires_in: int
+
+
+class CreatedData(BaseModel):
+    reference_id: str
+
+
+class PendingData(BaseModel):
+    reference_id: str
+    state: Literal["queued", "processing"]
+
+
+class FailedData(BaseModel):
+    reference_id: str
+    state: Literal["failed"]
+
+
+class FailedResult(BaseModel):
+    data: FailedData
+
+
+class FailedTransaction(BaseModel):
+    """A transaction that ended `failed`: HTTP 200 with the error envelope plus its reference_id and state."""
+
+    status: Literal[False]
+    message: str
+    errors: dict[str, str]
+    result: FailedResult
+
+
+QualityReason = Literal["small_face", "low_detector_score", "blurry", "extreme_pose", "below_search_bar"]
+
+
+class QualityReport(BaseModel):
+    reasons: list[QualityReason]
+    face_size_px: float | None = Field(None, description="shorter side of the face box")
+    detector_score: float | None = None
+    sharpness: float | None = Field(None, description="variance of the Laplacian of the aligned 112 px chip")
+    yaw: float | None = Field(None, description="0 frontal, about +-1 with the nose in an eye's column")
+    pitch: float | None = Field(None, description="nose between eye line (0) and mouth line (1)")
+    roll_deg: float | None = None
+
+
+class ProbeQuality(QualityReport):
+    """Extension, present only when the probe misses the search quality bar: it was searched against a ten
+    times stricter false-positive rate and its scores are capped at 0.5."""
+
+    search_ok: Literal[False] = False
+
+
+_UNINDEXED = (
+    "Extension (like AWS IndexFaces' UnindexedFaces): present only when enrolment was asked for and the face "
+    "missed the enrolment quality bar; the face was searched (face search) but not stored"
+)
+_MATCHES = (
+    "[proof_id, score 0..1, proof URL (15 min), client_reference], best first; [] when none. "
+    "score = -log10(FMR)/10: the per-comparison false-match rate calibrated on labelled photos (0.3: 1e-3, "
+    "0.5: 1e-5, 0.8: 1e-8). By default only matches that keep the false-positive identification rate <= 1% "
+    "for the tenant's gallery size are listed"
+)
+
+
+class AgeData(BaseModel):
+    reference_id: str
+    age: int | None
+    under_18: Literal[0, 50, 100] | None
+    under_21: Literal[0, 50, 100] | None
+    unindexed_faces: list[QualityReport] | None = Field(None, description=_UNINDEXED)
+
+
+class FaceSearchResult(BaseModel):
+    matched_faces: list[tuple[str, float, str, str]] = Field(description=_MATCHES)
+    is_face_found: bool
+    unindexed_faces: list[QualityReport] | None = Field(None, description=_UNINDEXED)
+    probe_quality: ProbeQuality | None = None
+
+
+class FaceSearchResponse(BaseModel):
+    result: FaceSearchResult
+
+
+class FaceSearchData(BaseModel):
+    service_reference_id: str
+    client_reference: str
+    face_search_response: FaceSearchResponse
+
+
+# --- responses= tables ------------------------------------------------------------------------------------
+
+_RETRY_AFTER = {"description": "Seconds before polling again", "schema": {"type": "integer"}}
+_RETRY_LATER = {"description": "Seconds before trying again", "schema": {"type": "integer"}}
+_PREFERENCE_APPLIED = {
+    "description": "`wait=<seconds>` when the request's `Prefer: wait` was honoured (long polling)",
+    "schema": {"type": "string"},
+}
+_ERROR_DESCRIPTIONS: dict[int, str] = {
+    401: "Missing, invalid, expired or revoked credentials",
+    413: "Body or image over the size / pixel limit",
+    415: "Wrong Content-Type or not a JPEG/PNG image",
+    422: "A field is missing or breaks its rule",
+    429: "Rate limited; see Retry-After",
+    503: "Redis, Milvus or a model is unavailable; retry later. The message is fixed: what the backend said "
+    "goes to the service log only",
+}
+Responses = dict[int | str, dict[str, Any]]
+
+
+def error_responses(*codes: int, **descriptions: str) -> Responses:
+    """Error answers in the error envelope; descriptions (as s<code>=...) replace the common ones."""
+    table: Responses = {}
+    for code in codes:
+        entry: dict[str, Any] = {
+            "model": ErrorEnvelope,
+            "description": descriptions.get(f"s{code}", _ERROR_DESCRIPTIONS.get(code, "")),
+        }
+        if code == 429:
+            entry["headers"] = {"Retry-After": _RETRY_LATER}
+        table[code] = entry
+    return table
+
+
+def pending_response(long_polling: bool) -> Responses:
+    headers = {"Retry-After": _RETRY_AFTER}
+    if long_polling:
+        headers["Preference-Applied"] = _PREFERENCE_APPLIED
+    return {
+        202: {
+            "model": Envelope[PendingData],
+            "description": "Not final yet: poll /result again after Retry-After seconds",
+            "headers": headers,
+        }
+    }
+
+
+PREFERENCE_APPLIED_HEADER = {"Preference-Applied": _PREFERENCE_APPLIED}

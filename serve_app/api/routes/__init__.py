@@ -1,0 +1,1 @@
+"""One module per concept; each exposes router(), a fresh APIRouter that create_app() includes."""

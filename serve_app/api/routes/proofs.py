@@ -1,0 +1,61 @@
+"""GET /get-proof/{token}: the enrolled image behind a match, while its signed URL is fresh."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from serve_app.api.dependencies import Services, source_of
+from serve_app.api.response_models import ErrorEnvelope, error_responses
+from serve_app.domain.errors import NotFound, ProofExpired
+from serve_app.domain.identifiers import is_proof_token
+
+
+def router() -> APIRouter:
+    routes = APIRouter(tags=["proofs"])
+
+    @routes.get(
+        "/get-proof/{proof_token}",
+        summary="The enrolled image of a matched face",
+        response_class=Response,
+        responses={
+            200: {"description": "The enrolled image", "content": {"image/jpeg": {}, "image/png": {}}},
+            404: {
+                "model": ErrorEnvelope,
+                "description": "Invalid or tampered token, or the face was replaced",
+            },
+            # FastAPI would otherwise document its own 422 body for the path parameter; ours is the envelope.
+            **error_responses(422),
+            410: {"model": ErrorEnvelope, "description": "The proof URL expired (15 minutes after issue)"},
+            429: {
+                "model": ErrorEnvelope,
+                "description": "Too many invalid proof URLs, failed logins or failed credentials from this "
+                "address; see Retry-After",
+                "headers": {
+                    "Retry-After": {
+                        "description": "Seconds before trying again",
+                        "schema": {"type": "integer"},
+                    }
+                },
+            },
+        },
+    )
+    async def get_proof(proof_token: str, request: Request, services: Services) -> Response:
+        try:
+            if not is_proof_token(proof_token):
+                # A URL that names no proof: 404 like any tampered token (the README's contract here).
+                raise NotFound("No proof image exists for this URL.")
+            claims = services.signer.verify_proof(proof_token)
+            data, content_type = await services.proofs.load(claims.tenant_id, claims.face_id)
+        except (NotFound, ProofExpired):
+            # The URL is the credential here: a failed one counts like failed credentials elsewhere.
+            await services.auth.count_unauthenticated(source_of(request, services))
+            raise
+        remaining = max(0, claims.expires_at - int(time.time()))
+        return Response(
+            data, media_type=content_type, headers={"Cache-Control": f"private, max-age={remaining}"}
+        )
+
+    return routes

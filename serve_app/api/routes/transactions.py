@@ -1,0 +1,200 @@
+"""The transactions: POST /face-search and /age-estimation create one, POST /result reads it."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+
+from serve_app.api import errors, parsing
+from serve_app.api.dependencies import Services, Tenant, base_url
+from serve_app.api.request_models import (
+    AgeEstimationRequest,
+    FaceSearchForm,
+    FaceSearchJson,
+    FaceSearchRequest,
+    ResultRequest,
+    validate_body,
+)
+from serve_app.api.response_models import (
+    PREFERENCE_APPLIED_HEADER,
+    AgeData,
+    CreatedData,
+    Envelope,
+    FaceSearchData,
+    FailedTransaction,
+    error_responses,
+    pending_response,
+)
+from serve_app.api.routes.bodies import envelope, request_body
+from serve_app.api.tokens import TokenSigner
+from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState
+from serve_app.pipelines.commands import AgeEstimationCommand, FaceSearchCommand
+from serve_app.pipelines.processing import public_result
+
+# A /result body names one reference_id.
+_MAX_RESULT_BODY_BYTES = 4096
+
+# RFC 7240's Prefer is documented but read by the route itself, not declared as a FastAPI Header: a
+# declared header would be validated, and the RFC has servers ignore a preference they cannot parse.
+_PREFER_PARAMETER = {
+    "name": "Prefer",
+    "in": "header",
+    "required": False,
+    "description": (
+        "RFC 7240 `wait=<seconds>`: hold the request until the transaction is final or the wait (capped by "
+        "the server's wait_for_result bound, 10 s by default) runs out, instead of answering 202 at once. "
+        "Answers carry `Preference-Applied` when honoured."
+    ),
+    "schema": {"type": "string", "pattern": "^wait=[0-9]{1,2}$", "example": "wait=5"},
+}
+
+
+async def face_search_body(request: Request, services: Services) -> FaceSearchRequest:
+    fields = await parsing.read_fields(request, (parsing.JSON, parsing.MULTIPART), services.max_upload_bytes)
+    model = FaceSearchJson if parsing.media_type(request) == parsing.JSON else FaceSearchForm
+    return validate_body(model, fields, services.max_upload_bytes)
+
+
+async def age_estimation_body(request: Request, services: Services) -> AgeEstimationRequest:
+    fields = await parsing.read_fields(request, (parsing.MULTIPART,), services.max_upload_bytes)
+    return validate_body(AgeEstimationRequest, fields, services.max_upload_bytes)
+
+
+async def result_body(request: Request) -> ResultRequest:
+    accepted = (parsing.JSON, parsing.URLENCODED, parsing.MULTIPART)
+    fields = await parsing.read_fields(request, accepted, _MAX_RESULT_BODY_BYTES)
+    body = validate_body(ResultRequest, fields)
+    request.state.reference_id = body.reference_id  # for the log line of an error answer
+    return body
+
+
+def router() -> APIRouter:
+    routes = APIRouter(tags=["transactions"])
+
+    @routes.post(
+        "/face-search",
+        summary="Search the tenant's gallery for the largest face (1:N), and enrol it",
+        openapi_extra=request_body({parsing.JSON: FaceSearchJson, parsing.MULTIPART: FaceSearchForm}),
+        responses={
+            200: {"model": Envelope[CreatedData], "description": "Transaction created"},
+            **error_responses(401, 413, 415, 422, 429, 503),
+        },
+    )
+    async def face_search(
+        tenant: Tenant,
+        body: Annotated[FaceSearchRequest, Depends(face_search_body)],
+        services: Services,
+    ) -> JSONResponse:
+        command = FaceSearchCommand(
+            tenant_id=tenant,
+            image=body.file,
+            client_reference=body.client_reference,
+            allow_override=body.allow_override,
+            enroll_face=body.enroll_face,
+        )
+        tx = await services.transactions.create_face_search(command)
+        return JSONResponse(envelope("Face search transaction created.", {"reference_id": tx.reference_id}))
+
+    @routes.post(
+        "/age-estimation",
+        summary="Estimate the age of the largest face",
+        openapi_extra=request_body({parsing.MULTIPART: AgeEstimationRequest}),
+        responses={
+            200: {
+                "model": Envelope[CreatedData | AgeData] | FailedTransaction,
+                "description": "Transaction created (data: reference_id); with wait_for_result=1 and a "
+                "final result, the data also carries the age result, or the body is the failed-transaction "
+                "envelope",
+            },
+            **pending_response(long_polling=False),
+            **error_responses(401, 413, 415, 422, 429, 503),
+        },
+    )
+    async def age_estimation(
+        request: Request,
+        tenant: Tenant,
+        body: Annotated[AgeEstimationRequest, Depends(age_estimation_body)],
+        services: Services,
+    ) -> JSONResponse:
+        tx = await services.transactions.create_age_estimation(
+            AgeEstimationCommand(tenant_id=tenant, image=body.file, enroll_face=body.enroll_face)
+        )
+        if not body.wait_for_result:
+            return JSONResponse(
+                envelope("Age estimation transaction created.", {"reference_id": tx.reference_id})
+            )
+        final = await services.transactions.wait_final(tx, services.wait_for_result_timeout_s)
+        return result_response(final, base_url(request, services), services.signer, created=True)
+
+    @routes.post(
+        "/result",
+        summary="The state or the outcome of a transaction",
+        openapi_extra={
+            "parameters": [_PREFER_PARAMETER],
+            **request_body({parsing.JSON: ResultRequest, parsing.URLENCODED: ResultRequest}),
+        },
+        responses={
+            200: {
+                "model": Envelope[FaceSearchData | AgeData] | FailedTransaction,
+                "description": "Final result (face search or age estimation data), or the failed-transaction "
+                "envelope (status false, errors.transaction, result.data.state = failed)",
+                "headers": PREFERENCE_APPLIED_HEADER,
+            },
+            **pending_response(long_polling=True),
+            **error_responses(401, 415, 422, 429, 503),
+        },
+    )
+    async def result(
+        request: Request,
+        tenant: Tenant,
+        body: Annotated[ResultRequest, Depends(result_body)],
+        services: Services,
+    ) -> JSONResponse:
+        tx = await services.transactions.get_for_tenant(tenant, body.reference_id)
+        # Long polling: one held request replaces the several polls a client would otherwise send.
+        wait_s = parsing.preferred_wait_s(
+            request.headers.getlist("prefer"), services.wait_for_result_timeout_s
+        )
+        if wait_s > 0 and not tx.state.is_final:
+            tx = await services.transactions.wait_final(tx, wait_s)
+        response = result_response(tx, base_url(request, services), services.signer, created=False)
+        if wait_s > 0:
+            response.headers["Preference-Applied"] = f"wait={wait_s:g}"
+        return response
+
+    return routes
+
+
+def result_response(tx: Transaction, base: str, signer: TokenSigner, created: bool) -> JSONResponse:
+    if not tx.state.is_final:
+        message = (
+            "Transaction created; the result was not ready in time. Poll /result with the reference_id."
+            if created
+            else "The transaction is still being processed; poll again."
+        )
+        data = {"reference_id": tx.reference_id, "state": tx.state.value}
+        return JSONResponse(envelope(message, data), status_code=202, headers={"Retry-After": "1"})
+    if tx.state is TransactionState.FAILED:
+        body = errors.error_body(f"The transaction failed: {tx.error}", {"transaction": tx.error or "failed"})
+        body["result"] = {"data": {"reference_id": tx.reference_id, "state": tx.state.value}}
+        return JSONResponse(body, status_code=200)
+    return JSONResponse(envelope("Transaction result.", render_result(tx, base, signer)))
+
+
+def render_result(tx: Transaction, base: str, signer: TokenSigner) -> dict[str, Any]:
+    outcome = public_result(tx.result or {})
+    if tx.kind is TransactionKind.AGE_ESTIMATION:
+        return {"reference_id": tx.reference_id, **outcome}
+    matched = [
+        [face_id, score, f"{base}/get-proof/{signer.issue_proof(tx.tenant_id, face_id)}", reference]
+        for face_id, score, reference in outcome.get("matched_faces", [])
+    ]
+    return {
+        "service_reference_id": tx.reference_id,
+        "client_reference": tx.client_reference or "",
+        "face_search_response": {
+            "result": {"matched_faces": matched, "is_face_found": bool(outcome.get("is_face_found"))}
+        },
+    }
