@@ -20,6 +20,7 @@ import uuid
 from pathlib import Path
 
 from bench.common import format_table
+from serve_app.domain.outcomes import AgeEstimationOutcome
 from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState, new_reference_id
 from serve_app.embedded import EmbeddedRedis
 from serve_app.stores.redis_support import connect_redis
@@ -60,7 +61,7 @@ async def measure(url: str, rounds: int) -> list[list[str]]:
             waiting = asyncio.create_task(waiter.wait_final(tx.reference_id, 5.0))
             await asyncio.sleep(0.005)  # let it block
             completed_at = time.perf_counter()
-            await worker.complete(tx.reference_id, {"ok": True})
+            await worker.complete(tx.reference_id, AgeEstimationOutcome(age=None, under_18=None, under_21=None))
             await waiting
             wake.append((time.perf_counter() - completed_at) * 1000)
 

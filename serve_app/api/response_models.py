@@ -65,11 +65,15 @@ QualityReason = Literal["small_face", "low_detector_score", "blurry", "extreme_p
 
 class QualityReport(BaseModel):
     reasons: list[QualityReason]
-    face_size_px: float | None = Field(None, description="shorter side of the face box")
+    face_size_px: float | None = Field(default=None, description="shorter side of the face box")
     detector_score: float | None = None
-    sharpness: float | None = Field(None, description="variance of the Laplacian of the aligned 112 px chip")
-    yaw: float | None = Field(None, description="0 frontal, about +-1 with the nose in an eye's column")
-    pitch: float | None = Field(None, description="nose between eye line (0) and mouth line (1)")
+    sharpness: float | None = Field(
+        default=None, description="variance of the Laplacian of the aligned 112 px chip"
+    )
+    yaw: float | None = Field(
+        default=None, description="0 frontal, about +-1 with the nose in an eye's column"
+    )
+    pitch: float | None = Field(default=None, description="nose between eye line (0) and mouth line (1)")
     roll_deg: float | None = None
 
 
@@ -97,13 +101,13 @@ class AgeData(BaseModel):
     age: int | None
     under_18: Literal[0, 50, 100] | None
     under_21: Literal[0, 50, 100] | None
-    unindexed_faces: list[QualityReport] | None = Field(None, description=_UNINDEXED)
+    unindexed_faces: list[QualityReport] | None = Field(default=None, description=_UNINDEXED)
 
 
 class FaceSearchResult(BaseModel):
     matched_faces: list[tuple[str, float, str, str]] = Field(description=_MATCHES)
     is_face_found: bool
-    unindexed_faces: list[QualityReport] | None = Field(None, description=_UNINDEXED)
+    unindexed_faces: list[QualityReport] | None = Field(default=None, description=_UNINDEXED)
     probe_quality: ProbeQuality | None = None
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
 
 from serve_app.domain.identifiers import new_reference_id as new_reference_id  # re-exported
+from serve_app.domain.outcomes import Outcome
 
 
 class TransactionKind(StrEnum):
@@ -38,8 +38,8 @@ class Transaction:
     allow_override: bool = False
     client_reference: str | None = None
     attempts: int = 0
-    # Final outcome; JSON-serialisable. Proof URLs are minted when the result is read, not stored,
-    # because each URL expires 15 minutes after it is issued.
-    result: dict[str, Any] | None = None
+    # Final outcome (a FaceSearchOutcome or AgeEstimationOutcome, as the kind says). Proof URLs are minted
+    # when the result is read, not stored, because each URL expires 15 minutes after it is issued.
+    result: Outcome | None = None
     error: str | None = None
     extra: dict[str, str] = field(default_factory=dict)

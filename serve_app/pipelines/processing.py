@@ -21,6 +21,13 @@ from models.calibration import DEFAULT_FPIR, FaceScoreCalibration
 from models.types import AnalyzedFace, FaceQuality
 from serve_app.domain.errors import ServiceError
 from serve_app.domain.faces import FaceRecord, GalleryEntry
+from serve_app.domain.outcomes import (
+    AgeEstimationOutcome,
+    FaceMatch,
+    FaceSearchOutcome,
+    Outcome,
+    QualityReport,
+)
 from serve_app.domain.transactions import Transaction, TransactionKind
 from serve_app.imaging.decode import decode_image
 from serve_app.pipelines.analysis import FaceAnalysisBackend
@@ -67,17 +74,17 @@ class _TenantSearch:
     read_at: float
 
 
-def quality_summary(quality: FaceQuality) -> dict[str, Any]:
+def quality_report(quality: FaceQuality) -> QualityReport:
     """The measurements a client sees when a face misses a quality bar (the extension fields)."""
-    return {
-        "reasons": list(quality.reasons) or ["below_search_bar"],
-        "face_size_px": round(quality.face_size_px, 1),
-        "detector_score": round(quality.detector_score, 3),
-        "sharpness": round(quality.sharpness, 1),
-        "yaw": round(quality.yaw, 3),
-        "pitch": round(quality.pitch, 3),
-        "roll_deg": round(quality.roll_deg, 1),
-    }
+    return QualityReport(
+        reasons=tuple(quality.reasons) or ("below_search_bar",),
+        face_size_px=round(quality.face_size_px, 1),
+        detector_score=round(quality.detector_score, 3),
+        sharpness=round(quality.sharpness, 1),
+        yaw=round(quality.yaw, 3),
+        pitch=round(quality.pitch, 3),
+        roll_deg=round(quality.roll_deg, 1),
+    )
 
 
 def enrolled_face_id(reference_id: str) -> str:
@@ -115,12 +122,13 @@ class TransactionProcessor:
             await self._transactions.fail(reference_id, error.message)
             await self._blobs.delete(tx.image_key)  # a failed transaction's upload is never used again
             return
+        result: Outcome
         if tx.kind is TransactionKind.FACE_SEARCH:
             result = await self._face_search(tx, image)
         else:
             result = await self._age_estimation(tx, image)
         await self._transactions.complete(reference_id, result)
-        if not tx.enroll_face or not result.get("_enrolled"):
+        if not tx.enroll_face or not result.enrolled:
             await self._blobs.delete(tx.image_key)  # nothing refers to the upload any more
 
     async def give_up(self, reference_id: str, message: str) -> None:
@@ -176,11 +184,11 @@ class TransactionProcessor:
         min_score = max(min_score, stricter)
         return min_score, max(min_score, self._policy.low_quality_score_cap)
 
-    async def _face_search(self, tx: Transaction, image: Any) -> dict[str, Any]:
+    async def _face_search(self, tx: Transaction, image: Any) -> FaceSearchOutcome:
         faces = await self._analysis.analyze(image, embed=True, estimate_age=False)
         probe = largest_face(faces)
         if probe is None or probe.embedding is None:
-            return {"is_face_found": False, "matched_faces": [], "_enrolled": False}
+            return FaceSearchOutcome(is_face_found=False)
         own_face_id = enrolled_face_id(tx.reference_id)
         tenant = await self._tenant_search(tx.tenant_id)
         max_matches = tenant.max_matches or self._policy.max_matches
@@ -195,49 +203,56 @@ class TransactionProcessor:
         # client_reference is kept only in the face records (see milvus_gallery); a vector whose record is
         # gone is debris of an interrupted removal, never a match.
         records = await self._records.get_many(tx.tenant_id, [match.face_id for match in matches])
-        matched = [
-            [
-                match.face_id,
-                round(min(cap, calibration.score(match.similarity)), 6),
-                records[match.face_id].client_reference or "",
-            ]
+        matched = tuple(
+            FaceMatch(
+                face_id=match.face_id,
+                score=round(min(cap, calibration.score(match.similarity)), 6),
+                client_reference=records[match.face_id].client_reference or "",
+            )
             for match in matches
             if match.face_id != own_face_id and match.face_id in records
-        ][:max_matches]
-        result: dict[str, Any] = {"is_face_found": True, "matched_faces": matched}
-        if low_quality and probe.quality is not None:
-            result["probe_quality"] = {"search_ok": False, **quality_summary(probe.quality)}
-        result["_enrolled"] = await self._enroll_if_good(tx, probe, result) if tx.enroll_face else False
-        return result
+        )[:max_matches]
+        probe_quality = quality_report(probe.quality) if low_quality and probe.quality is not None else None
+        unindexed, enrolled = await self._enroll_if_good(tx, probe) if tx.enroll_face else ((), False)
+        return FaceSearchOutcome(
+            is_face_found=True,
+            matches=matched,
+            probe_quality=probe_quality,
+            unindexed_faces=unindexed,
+            enrolled=enrolled,
+        )
 
-    async def _enroll_if_good(self, tx: Transaction, face: AnalyzedFace, result: dict[str, Any]) -> bool:
+    async def _enroll_if_good(
+        self, tx: Transaction, face: AnalyzedFace
+    ) -> tuple[tuple[QualityReport, ...], bool]:
         """Enrol the face unless it misses the quality gate's enrolment bar; then, like AWS IndexFaces'
-        UnindexedFaces, the result says which face was not stored and why."""
+        UnindexedFaces, the result says which face was not stored and why. Returns (unindexed faces,
+        whether the face was enrolled)."""
         if face.quality is not None and not face.quality.enrol_ok:
-            result["unindexed_faces"] = [quality_summary(face.quality)]
-            return False
+            return (quality_report(face.quality),), False
         enrolled = await self._enroll(tx, face)
         if enrolled:
             self._tenants.pop(tx.tenant_id, None)  # the gallery grew: re-read its size next time
-        return enrolled
+        return (), enrolled
 
-    async def _age_estimation(self, tx: Transaction, image: Any) -> dict[str, Any]:
+    async def _age_estimation(self, tx: Transaction, image: Any) -> AgeEstimationOutcome:
         faces = await self._analysis.analyze(image, embed=tx.enroll_face, estimate_age=True)
         subject = largest_face(faces)
         # The flags follow the safety rules of models.age_policy (several comparable faces, quality gate).
         age = subject_age(faces)
         if subject is None or age is None:
-            return {"age": None, "under_18": None, "under_21": None, "_enrolled": False}
-        result: dict[str, Any] = {
-            "age": age.age,
-            "under_18": age.under_18,
-            "under_21": age.under_21,
-        }
+            return AgeEstimationOutcome(age=None, under_18=None, under_21=None)
+        unindexed: tuple[QualityReport, ...] = ()
         enrolled = False
         if tx.enroll_face and subject.embedding is not None:
-            enrolled = await self._enroll_if_good(tx, subject, result)
-        result["_enrolled"] = enrolled
-        return result
+            unindexed, enrolled = await self._enroll_if_good(tx, subject)
+        return AgeEstimationOutcome(
+            age=age.age,
+            under_18=age.under_18,
+            under_21=age.under_21,
+            unindexed_faces=unindexed,
+            enrolled=enrolled,
+        )
 
     async def _enroll(self, tx: Transaction, face: AnalyzedFace) -> bool:
         """Enrol the face; False when an override was superseded by a later submission."""
@@ -305,8 +320,3 @@ class TransactionProcessor:
         await self._gallery.delete(record.tenant_id, [record.face_id])
         await self._records.delete(record.tenant_id, record.face_id)
         await self._blobs.delete(record.proof_key)
-
-
-def public_result(result: dict[str, Any]) -> dict[str, Any]:
-    """Strip bookkeeping keys (prefixed with '_') before a result leaves the service."""
-    return {key: value for key, value in result.items() if not key.startswith("_")}

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from serve_app.domain.faces import FaceRecord, GalleryEntry, GalleryMatch
+from serve_app.domain.outcomes import Outcome
 from serve_app.domain.transactions import Transaction
 
 
@@ -33,7 +34,7 @@ class TransactionStore(Protocol):
     async def mark_processing(self, reference_id: str) -> Transaction | None:
         """Move QUEUED/PROCESSING → PROCESSING, bump attempts; None if unknown or already final."""
 
-    async def complete(self, reference_id: str, result: dict[str, Any]) -> None: ...
+    async def complete(self, reference_id: str, result: Outcome) -> None: ...
 
     async def fail(self, reference_id: str, error: str) -> None: ...
 

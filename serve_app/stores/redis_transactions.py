@@ -32,8 +32,10 @@ from redis.asyncio import Redis
 from redis.typing import EncodableT, FieldT
 
 from serve_app.domain.identifiers import is_reference_id
+from serve_app.domain.outcomes import Outcome
 from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState
 from serve_app.stores.interfaces import QueueEntry
+from serve_app.stores.outcome_codec import decode_outcome, encode_outcome
 from serve_app.stores.redis_support import redis_errors, socket_timeout_of, text, text_map
 
 logger = logging.getLogger(__name__)
@@ -103,7 +105,7 @@ def _encode(tx: Transaction) -> dict[FieldT, EncodableT]:
     if tx.client_reference is not None:
         fields["client_reference"] = tx.client_reference
     if tx.result is not None:
-        fields["result"] = json.dumps(tx.result)
+        fields["result"] = encode_outcome(tx.result)
     if tx.error is not None:
         fields["error"] = tx.error
     return fields
@@ -111,10 +113,11 @@ def _encode(tx: Transaction) -> dict[FieldT, EncodableT]:
 
 def _decode(fields: Mapping[str, str]) -> Transaction:
     result = fields.get("result")
+    kind = TransactionKind(fields["kind"])
     return Transaction(
         reference_id=fields["reference_id"],
         tenant_id=fields["tenant_id"],
-        kind=TransactionKind(fields["kind"]),
+        kind=kind,
         state=TransactionState(fields["state"]),
         created_at=float(fields["created_at"]),
         updated_at=float(fields["updated_at"]),
@@ -123,7 +126,7 @@ def _decode(fields: Mapping[str, str]) -> Transaction:
         allow_override=fields.get("allow_override") == "1",
         client_reference=fields.get("client_reference"),
         attempts=int(fields.get("attempts", "0")),
-        result=json.loads(result) if result is not None else None,
+        result=decode_outcome(kind, result) if result is not None else None,
         error=fields.get("error"),
         extra=json.loads(fields.get("extra") or "{}"),
     )
@@ -194,8 +197,8 @@ class RedisTransactionStore:
             )
         return _decode(_pairs_to_dict(flat)) if flat else None
 
-    async def complete(self, reference_id: str, result: dict[str, Any]) -> None:
-        await self._finish(reference_id, TransactionState.COMPLETED, "result", json.dumps(result))
+    async def complete(self, reference_id: str, result: Outcome) -> None:
+        await self._finish(reference_id, TransactionState.COMPLETED, "result", encode_outcome(result))
 
     async def fail(self, reference_id: str, error: str) -> None:
         await self._finish(reference_id, TransactionState.FAILED, "error", error)

@@ -21,6 +21,7 @@ import pytest
 
 from serve_app.domain.errors import BackendUnavailable
 from serve_app.domain.faces import FaceRecord, GalleryEntry
+from serve_app.domain.outcomes import FaceMatch, FaceSearchOutcome
 from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState, new_reference_id
 from serve_app.embedded import EmbeddedMilvus, EmbeddedRedis, EmbeddedServices, free_port
 from serve_app.stores.blobs import LocalBlobStore
@@ -173,21 +174,24 @@ def test_transaction_lifecycle(servers: EmbeddedServices) -> None:
             again = await store.mark_processing(tx.reference_id)  # a redelivery bumps attempts
             assert again is not None and again.attempts == 2
 
-            await store.complete(tx.reference_id, {"matches": [{"face_id": "f1", "score": 0.97}], "n": {}})
+            first = FaceSearchOutcome(
+                is_face_found=True, matches=(FaceMatch("f1", 0.97, 'ref "quoted"'),), enrolled=True
+            )
+            await store.complete(tx.reference_id, first)
             await store.fail(tx.reference_id, "too late")  # never overwrites a final state
-            await store.complete(tx.reference_id, {"other": 1})
+            await store.complete(tx.reference_id, FaceSearchOutcome(is_face_found=False))
             assert await store.mark_processing(tx.reference_id) is None
             final = await store.get(tx.reference_id)
             assert final is not None
             assert final.state is TransactionState.COMPLETED
-            assert final.result == {"matches": [{"face_id": "f1", "score": 0.97}], "n": {}}
+            assert final.result == first
             assert final.error is None and final.attempts == 2
             assert final.created_at == tx.created_at and final.client_reference == tx.client_reference
 
             failed = make_tx(client_reference=None, enroll_face=False)
             await store.create_and_enqueue(failed)
             await store.fail(failed.reference_id, "no face")
-            await store.complete(failed.reference_id, {"late": True})
+            await store.complete(failed.reference_id, first)
             got = await store.get(failed.reference_id)
             assert got is not None and (got.state, got.error, got.result) == (
                 TransactionState.FAILED,

@@ -49,12 +49,14 @@ from serve_app.api.tokens import TokenSigner
 from serve_app.domain.errors import BackendUnavailable
 from serve_app.domain.faces import FaceRecord, GalleryEntry, GalleryMatch
 from serve_app.domain.identifiers import new_client_id
+from serve_app.domain.outcomes import Outcome
 from serve_app.domain.transactions import Transaction, TransactionState
 from serve_app.pipelines.auth import ClientAuthenticator
 from serve_app.pipelines.processing import ProcessingPolicy, TransactionProcessor
 from serve_app.pipelines.proofs import ProofService
 from serve_app.pipelines.transactions import TransactionService
 from serve_app.stores.interfaces import ClientInfo, QueueEntry
+from serve_app.stores.outcome_codec import decode_outcome, encode_outcome
 
 EMBEDDING_SIZE = 256  # face model v2 (models.embedder.FUSED_DIM)
 
@@ -260,9 +262,12 @@ class FakeTransactionStore:
         tx.updated_at = self._clock()
         return copy.deepcopy(tx)
 
-    async def complete(self, reference_id: str, result: dict[str, Any]) -> None:
+    async def complete(self, reference_id: str, result: Outcome) -> None:
         await self._faults.check("transactions.complete")
-        self._finalise(reference_id, TransactionState.COMPLETED, result=copy.deepcopy(result))
+        tx = self._items.get(reference_id)
+        # Through the stores' one JSON form, as Redis would keep it.
+        stored = decode_outcome(tx.kind, encode_outcome(result)) if tx is not None else result
+        self._finalise(reference_id, TransactionState.COMPLETED, result=stored)
 
     async def fail(self, reference_id: str, error: str) -> None:
         await self._faults.check("transactions.fail")

@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 
 from serve_app.domain.errors import BackendUnavailable
+from serve_app.domain.outcomes import AgeEstimationOutcome, FaceSearchOutcome, QualityReport
 from serve_app.domain.transactions import Transaction, TransactionState
 from serve_app.pipelines.commands import AgeEstimationCommand, FaceSearchCommand
-from serve_app.pipelines.processing import enrolled_face_id, public_result
+from serve_app.pipelines.processing import enrolled_face_id
 from tests.unit.fakes import (
     TEST_POLICY,
     Color,
@@ -60,8 +61,12 @@ async def submit_age(world: World, color: Color, *, enroll_face: bool = True) ->
 def matched(world: World, tx: Transaction) -> list[list[object]]:
     final = world.transactions.peek(tx.reference_id)
     assert final.state is TransactionState.COMPLETED, final
-    assert final.result is not None
-    return list(final.result["matched_faces"])
+    assert isinstance(final.result, FaceSearchOutcome)
+    return triples(final.result)
+
+
+def triples(outcome: FaceSearchOutcome) -> list[list[object]]:
+    return [[match.face_id, match.score, match.client_reference] for match in outcome.matches]
 
 
 def test_search_runs_before_enrolment_so_a_probe_never_matches_itself() -> None:
@@ -206,7 +211,7 @@ def test_the_same_transaction_processed_twice_at_once_enrols_one_face() -> None:
         assert [record.face_id for record in world.record_store.records(TENANT)] == [own]
         final = world.transactions.peek(tx.reference_id)
         assert final.state is TransactionState.COMPLETED
-        assert final.result is not None and final.result["matched_faces"] == []
+        assert isinstance(final.result, FaceSearchOutcome) and final.result.matches == ()
 
     asyncio.run(scenario())
 
@@ -375,7 +380,7 @@ def test_no_face_found_reports_it_deletes_the_upload_and_enrols_nothing() -> Non
         final = world.transactions.peek(tx.reference_id)
         assert final.state is TransactionState.COMPLETED
         assert final.result is not None
-        assert public_result(final.result) == {"is_face_found": False, "matched_faces": []}
+        assert final.result == FaceSearchOutcome(is_face_found=False, matches=(), enrolled=False)
         assert tx.image_key not in world.blobs.items
         assert world.gallery.face_ids() == {"someone"}
         assert world.gallery.searches == []
@@ -440,8 +445,7 @@ def test_age_estimation_result_has_the_interface_keys_and_enrols_the_face() -> N
         final = world.transactions.peek(tx.reference_id)
         assert final.state is TransactionState.COMPLETED
         assert final.result is not None
-        assert public_result(final.result) == {"age": 17, "under_18": 50, "under_21": 100}
-        assert all(not key.startswith("_") for key in public_result(final.result))
+        assert final.result == AgeEstimationOutcome(age=17, under_18=50, under_21=100, enrolled=True)
         assert world.analysis.calls == [(BLUE, True, True)]
         own = enrolled_face_id(tx.reference_id)
         assert world.gallery.entry(TENANT, own).embedding.tolist() == vector.tolist()
@@ -474,9 +478,10 @@ def test_age_flags_follow_the_safety_rules(faces: list[Any], flags: tuple[int, i
         await world.processor().process(tx.reference_id)
         final = world.transactions.peek(tx.reference_id)
         assert final.result is not None
-        result = public_result(final.result)
-        assert (result["under_18"], result["under_21"]) == flags
-        assert result["age"] == faces[0].age.age  # the largest face is the subject
+        result = final.result
+        assert isinstance(result, AgeEstimationOutcome)
+        assert (result.under_18, result.under_21) == flags
+        assert result.age == faces[0].age.age  # the largest face is the subject
 
     asyncio.run(scenario())
 
@@ -501,7 +506,7 @@ def test_age_estimation_without_a_face_returns_nulls_and_deletes_the_upload() ->
         await world.processor().process(tx.reference_id)
         final = world.transactions.peek(tx.reference_id)
         assert final.result is not None
-        assert public_result(final.result) == {"age": None, "under_18": None, "under_21": None}
+        assert final.result == AgeEstimationOutcome(age=None, under_18=None, under_21=None, enrolled=False)
         assert tx.image_key not in world.blobs.items
         assert world.gallery.face_ids() == set()
 
@@ -633,11 +638,12 @@ def test_a_face_below_the_enrolment_bar_is_searched_but_not_enrolled() -> None:
         await world.processor().process(tx.reference_id)
         final = world.transactions.peek(tx.reference_id)
         assert final.result is not None
-        result = public_result(final.result)
-        assert [entry[0] for entry in result["matched_faces"]] == ["known"]
-        assert "probe_quality" not in result  # it meets the search bar
-        [unindexed] = result["unindexed_faces"]
-        assert unindexed["reasons"] == ["blurry"]
+        result = final.result
+        assert isinstance(result, FaceSearchOutcome) and not result.enrolled
+        assert [entry[0] for entry in triples(result)] == ["known"]
+        assert result.probe_quality is None  # it meets the search bar
+        [unindexed] = result.unindexed_faces
+        assert isinstance(unindexed, QualityReport) and unindexed.reasons == ("blurry",)
         assert world.gallery.face_ids(TENANT) == {"known"}
         assert await world.record_store.get(TENANT, enrolled_face_id(tx.reference_id)) is None
         assert tx.image_key not in world.blobs.items  # not enrolled: the upload is not kept
@@ -647,8 +653,8 @@ def test_a_face_below_the_enrolment_bar_is_searched_but_not_enrolled() -> None:
         age = await submit_age(world, GREEN)
         await world.processor().process(age.reference_id)
         age_result = world.transactions.peek(age.reference_id).result
-        assert age_result is not None and age_result["age"] == 30
-        assert age_result["unindexed_faces"][0]["reasons"] == ["blurry"]
+        assert isinstance(age_result, AgeEstimationOutcome) and age_result.age == 30
+        assert age_result.unindexed_faces[0].reasons == ("blurry",) and not age_result.enrolled
         assert world.gallery.face_ids(TENANT) == {"known"}
 
     asyncio.run(scenario())
@@ -678,14 +684,14 @@ def test_a_probe_below_the_search_bar_cannot_produce_certainty() -> None:
         weak = await submit_search(world, BLUE, enroll_face=False)
         await world.processor().process(weak.reference_id)
         result = world.transactions.peek(weak.reference_id).result
-        assert result is not None
+        assert isinstance(result, FaceSearchOutcome)
         # A ten times stricter FPIR (bar 0.33 for two faces) and every score capped at 0.5.
-        assert [(entry[0], entry[1]) for entry in result["matched_faces"]] == [
+        assert [(entry[0], entry[1]) for entry in triples(result)] == [
             ("face-0.99", pytest.approx(TEST_POLICY.low_quality_score_cap)),
             ("face-0.35", pytest.approx(0.35, abs=1e-3)),
         ]
-        assert result["probe_quality"]["search_ok"] is False
-        assert result["probe_quality"]["reasons"] == ["small_face", "blurry"]
+        assert result.probe_quality is not None
+        assert result.probe_quality.reasons == ("small_face", "blurry")
         assert world.gallery.searches[-1][2] == pytest.approx(
             calibration.cosine_for_score(calibration.min_score_for_gallery(2, TEST_POLICY.low_quality_fpir))
         )

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from serve_app.api import errors, parsing
+from serve_app.api import parsing
 from serve_app.api.dependencies import Services, Tenant, base_url
 from serve_app.api.request_models import (
     AgeEstimationRequest,
@@ -27,11 +27,9 @@ from serve_app.api.response_models import (
     error_responses,
     pending_response,
 )
+from serve_app.api.results import result_response
 from serve_app.api.routes.bodies import envelope, request_body
-from serve_app.api.tokens import TokenSigner
-from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState
 from serve_app.pipelines.commands import AgeEstimationCommand, FaceSearchCommand
-from serve_app.pipelines.processing import public_result
 
 # A /result body names one reference_id.
 _MAX_RESULT_BODY_BYTES = 4096
@@ -165,36 +163,3 @@ def router() -> APIRouter:
         return response
 
     return routes
-
-
-def result_response(tx: Transaction, base: str, signer: TokenSigner, created: bool) -> JSONResponse:
-    if not tx.state.is_final:
-        message = (
-            "Transaction created; the result was not ready in time. Poll /result with the reference_id."
-            if created
-            else "The transaction is still being processed; poll again."
-        )
-        data = {"reference_id": tx.reference_id, "state": tx.state.value}
-        return JSONResponse(envelope(message, data), status_code=202, headers={"Retry-After": "1"})
-    if tx.state is TransactionState.FAILED:
-        body = errors.error_body(f"The transaction failed: {tx.error}", {"transaction": tx.error or "failed"})
-        body["result"] = {"data": {"reference_id": tx.reference_id, "state": tx.state.value}}
-        return JSONResponse(body, status_code=200)
-    return JSONResponse(envelope("Transaction result.", render_result(tx, base, signer)))
-
-
-def render_result(tx: Transaction, base: str, signer: TokenSigner) -> dict[str, Any]:
-    outcome = public_result(tx.result or {})
-    if tx.kind is TransactionKind.AGE_ESTIMATION:
-        return {"reference_id": tx.reference_id, **outcome}
-    matched = [
-        [face_id, score, f"{base}/get-proof/{signer.issue_proof(tx.tenant_id, face_id)}", reference]
-        for face_id, score, reference in outcome.get("matched_faces", [])
-    ]
-    return {
-        "service_reference_id": tx.reference_id,
-        "client_reference": tx.client_reference or "",
-        "face_search_response": {
-            "result": {"matched_faces": matched, "is_face_found": bool(outcome.get("is_face_found"))}
-        },
-    }

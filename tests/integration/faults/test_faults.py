@@ -23,6 +23,7 @@ import pytest
 from models.embedder import MODEL_VERSION
 from serve_app.domain.errors import BackendUnavailable
 from serve_app.domain.faces import FaceRecord
+from serve_app.domain.outcomes import AgeEstimationOutcome
 from serve_app.domain.transactions import (
     Transaction,
     TransactionKind,
@@ -350,7 +351,7 @@ def test_concurrent_overrides_leave_exactly_one_image(host: ServiceHost, faces_d
     winner = max(references, key=lambda ref: finished[ref].created_at)
     winner_face = enrolled_face_id(winner)
 
-    superseded = sum(not (tx.result or {}).get("_enrolled") for tx in finished.values())
+    superseded = sum(tx.result is None or not tx.result.enrolled for tx in finished.values())
 
     # An override older than all of them that is processed only now (as one reclaimed from a worker that
     # died holding it would be) must not bring its image back.
@@ -370,7 +371,7 @@ def test_concurrent_overrides_leave_exactly_one_image(host: ServiceHost, faces_d
     stale = stale_tx.reference_id
     stale_final = wait_all_final(service, [stale], FINISH_TIMEOUT_S)[stale]
     assert stale_final.state is TransactionState.COMPLETED
-    assert stale_final.result is not None and stale_final.result["_enrolled"] is False
+    assert stale_final.result is not None and stale_final.result.enrolled is False
 
     records = tenant_records(service, tenant_id)
     with_reference = [record for record in records if record.client_reference == reference]
@@ -486,7 +487,7 @@ def test_redis_outage_is_refused_quickly_and_recovers_without_restart(
     finished = wait_all_final(service, [*accepted, after], FINISH_TIMEOUT_S)
     assert {tx.state for tx in finished.values()} == {TransactionState.COMPLETED}
     age_result = finished[accepted[1]].result
-    assert age_result is not None and isinstance(age_result["age"], int)
+    assert isinstance(age_result, AgeEstimationOutcome) and isinstance(age_result.age, int)
     # The enrolment accepted just before the outage completed: a search now finds it.
     with service.http() as http:
         check = reference_of(face_search_json(http, token, photos[2].path, enroll_face=0))

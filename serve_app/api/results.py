@@ -1,0 +1,72 @@
+"""The wire format of transaction results: the one place that turns typed outcomes into the interface's
+shapes (match quadruples with fresh proof URLs), through the response models the OpenAPI document shows."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from serve_app.api.errors import error_body
+from serve_app.api.response_models import (
+    AgeData,
+    FaceSearchData,
+    FaceSearchResponse,
+    FaceSearchResult,
+)
+from serve_app.api.routes.bodies import envelope
+from serve_app.api.tokens import TokenSigner
+from serve_app.domain import outcomes
+from serve_app.domain.transactions import Transaction, TransactionState
+
+
+def result_response(tx: Transaction, base: str, signer: TokenSigner, created: bool) -> JSONResponse:
+    if not tx.state.is_final:
+        message = (
+            "Transaction created; the result was not ready in time. Poll /result with the reference_id."
+            if created
+            else "The transaction is still being processed; poll again."
+        )
+        data = {"reference_id": tx.reference_id, "state": tx.state.value}
+        return JSONResponse(envelope(message, data), status_code=202, headers={"Retry-After": "1"})
+    if tx.state is TransactionState.FAILED or tx.result is None:
+        error = tx.error or "failed"
+        body = error_body(f"The transaction failed: {error}", {"transaction": error})
+        body["result"] = {"data": {"reference_id": tx.reference_id, "state": TransactionState.FAILED.value}}
+        return JSONResponse(body, status_code=200)
+    return JSONResponse(envelope("Transaction result.", render_outcome(tx, tx.result, base, signer)))
+
+
+def render_outcome(
+    tx: Transaction, outcome: outcomes.Outcome, base: str, signer: TokenSigner
+) -> dict[str, Any]:
+    if isinstance(outcome, outcomes.AgeEstimationOutcome):
+        data: dict[str, Any] = {
+            "reference_id": tx.reference_id,
+            "age": outcome.age,
+            "under_18": outcome.under_18,
+            "under_21": outcome.under_21,
+        }
+        if outcome.unindexed_faces:  # an extension field, present only when a face was not enrolled
+            data["unindexed_faces"] = [dataclasses.asdict(face) for face in outcome.unindexed_faces]
+        return AgeData.model_validate(data).model_dump(mode="json", exclude_unset=True)
+    # The face-search result carries the interface's two fields only: the quality extensions the outcome
+    # holds are not rendered here (as before the outcomes were typed).
+    matched = [
+        (
+            match.face_id,
+            match.score,
+            f"{base}/get-proof/{signer.issue_proof(tx.tenant_id, match.face_id)}",
+            match.client_reference,
+        )
+        for match in outcome.matches
+    ]
+    search = FaceSearchData(
+        service_reference_id=tx.reference_id,
+        client_reference=tx.client_reference or "",
+        face_search_response=FaceSearchResponse(
+            result=FaceSearchResult(matched_faces=matched, is_face_found=outcome.is_face_found)
+        ),
+    )
+    return search.model_dump(mode="json", exclude_unset=True)

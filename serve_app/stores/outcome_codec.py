@@ -1,0 +1,101 @@
+"""The one JSON form of transaction outcomes in a store. The layout is the one results had while they were
+plain dicts, so records written before the outcomes were typed still read; `_enrolled` is that layout's
+name for `enrolled`."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from serve_app.domain.outcomes import (
+    AgeEstimationOutcome,
+    FaceMatch,
+    FaceSearchOutcome,
+    Outcome,
+    QualityReport,
+)
+from serve_app.domain.transactions import TransactionKind
+
+
+def encode_outcome(outcome: Outcome) -> str:
+    return json.dumps(_to_json(outcome))
+
+
+def decode_outcome(kind: TransactionKind, text: str) -> Outcome:
+    data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError("a stored outcome must be a JSON object")
+    return _from_json(kind, data)
+
+
+def _to_json(outcome: Outcome) -> dict[str, Any]:
+    data: dict[str, Any]
+    if isinstance(outcome, FaceSearchOutcome):
+        data = {
+            "is_face_found": outcome.is_face_found,
+            "matched_faces": [[m.face_id, m.score, m.client_reference] for m in outcome.matches],
+        }
+        if outcome.probe_quality is not None:
+            data["probe_quality"] = _quality_to_json(outcome.probe_quality)
+    else:
+        data = {"age": outcome.age, "under_18": outcome.under_18, "under_21": outcome.under_21}
+    if outcome.unindexed_faces:
+        data["unindexed_faces"] = [_quality_to_json(face) for face in outcome.unindexed_faces]
+    data["enrolled"] = outcome.enrolled
+    return data
+
+
+def _from_json(kind: TransactionKind, data: dict[str, Any]) -> Outcome:
+    enrolled = bool(data.get("enrolled", data.get("_enrolled", False)))
+    unindexed = tuple(_quality_from_json(face) for face in data.get("unindexed_faces", ()))
+    if kind is TransactionKind.FACE_SEARCH:
+        probe = data.get("probe_quality")
+        return FaceSearchOutcome(
+            is_face_found=bool(data["is_face_found"]),
+            matches=tuple(
+                FaceMatch(face_id=str(face_id), score=float(score), client_reference=str(reference))
+                for face_id, score, reference in data.get("matched_faces", ())
+            ),
+            probe_quality=_quality_from_json(probe) if probe is not None else None,
+            unindexed_faces=unindexed,
+            enrolled=enrolled,
+        )
+    return AgeEstimationOutcome(
+        age=_optional_int(data.get("age")),
+        under_18=_optional_int(data.get("under_18")),
+        under_21=_optional_int(data.get("under_21")),
+        unindexed_faces=unindexed,
+        enrolled=enrolled,
+    )
+
+
+def _quality_to_json(quality: QualityReport) -> dict[str, Any]:
+    return {
+        "reasons": list(quality.reasons),
+        "face_size_px": quality.face_size_px,
+        "detector_score": quality.detector_score,
+        "sharpness": quality.sharpness,
+        "yaw": quality.yaw,
+        "pitch": quality.pitch,
+        "roll_deg": quality.roll_deg,
+    }
+
+
+def _quality_from_json(data: dict[str, Any]) -> QualityReport:
+    return QualityReport(
+        reasons=tuple(str(reason) for reason in data["reasons"]),
+        face_size_px=float(data["face_size_px"]),
+        detector_score=float(data["detector_score"]),
+        sharpness=float(data["sharpness"]),
+        yaw=float(data["yaw"]),
+        pitch=float(data["pitch"]),
+        roll_deg=float(data["roll_deg"]),
+    )
+
+
+def _optional_int(value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, int | float):
+        return int(value)
+    raise ValueError(f"not an integer: {value!r}")

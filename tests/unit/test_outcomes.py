@@ -1,0 +1,161 @@
+"""Typed outcomes: their one stored JSON form round-trips, the form of results stored before the outcomes
+were typed still reads, and the API alone renders the interface's shapes from them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from serve_app.api.results import render_outcome
+from serve_app.api.tokens import TokenSigner
+from serve_app.domain.outcomes import (
+    AgeEstimationOutcome,
+    FaceMatch,
+    FaceSearchOutcome,
+    Outcome,
+    QualityReport,
+)
+from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState
+from serve_app.stores.outcome_codec import decode_outcome, encode_outcome
+
+BLURRY = QualityReport(
+    reasons=("blurry",),
+    face_size_px=80.5,
+    detector_score=0.912,
+    sharpness=12.3,
+    yaw=0.05,
+    pitch=0.4,
+    roll_deg=-3.5,
+)
+SMALL = QualityReport(
+    reasons=("small_face", "blurry"),
+    face_size_px=20.0,
+    detector_score=0.5,
+    sharpness=1.0,
+    yaw=0.0,
+    pitch=0.5,
+    roll_deg=0.0,
+)
+SEARCHES = [
+    FaceSearchOutcome(is_face_found=False),
+    FaceSearchOutcome(
+        is_face_found=True,
+        matches=(FaceMatch("f" + "1" * 32, 0.987654, 'customer \U0001f600 "q"'), FaceMatch("f2", 0.31, "")),
+        enrolled=True,
+    ),
+    FaceSearchOutcome(is_face_found=True, probe_quality=SMALL, unindexed_faces=(SMALL,), enrolled=False),
+]
+AGES = [
+    AgeEstimationOutcome(age=None, under_18=None, under_21=None),
+    AgeEstimationOutcome(age=17, under_18=50, under_21=100, enrolled=True),
+    AgeEstimationOutcome(age=30, under_18=0, under_21=0, unindexed_faces=(BLURRY,)),
+]
+
+
+@pytest.mark.parametrize("outcome", [*SEARCHES, *AGES], ids=lambda outcome: repr(outcome)[:60])
+def test_an_outcome_round_trips_through_its_stored_form(outcome: Outcome) -> None:
+    kind = (
+        TransactionKind.FACE_SEARCH
+        if isinstance(outcome, FaceSearchOutcome)
+        else TransactionKind.AGE_ESTIMATION
+    )
+    text = encode_outcome(outcome)
+    assert decode_outcome(kind, text) == outcome
+    assert not any(key.startswith("_") for key in json.loads(text))
+
+
+def test_results_stored_as_plain_dicts_before_the_outcomes_were_typed_still_read() -> None:
+    legacy_search = {
+        "is_face_found": True,
+        "matched_faces": [["fabc", 0.5, "ref-1"]],
+        "probe_quality": {
+            "search_ok": False,
+            "reasons": ["small_face", "blurry"],
+            "face_size_px": 20.0,
+            "detector_score": 0.5,
+            "sharpness": 1.0,
+            "yaw": 0.0,
+            "pitch": 0.5,
+            "roll_deg": 0.0,
+        },
+        "_enrolled": True,
+    }
+    assert decode_outcome(TransactionKind.FACE_SEARCH, json.dumps(legacy_search)) == FaceSearchOutcome(
+        is_face_found=True, matches=(FaceMatch("fabc", 0.5, "ref-1"),), probe_quality=SMALL, enrolled=True
+    )
+    legacy_age = {"age": 17, "under_18": 50, "under_21": 100, "_enrolled": False}
+    assert decode_outcome(TransactionKind.AGE_ESTIMATION, json.dumps(legacy_age)) == AgeEstimationOutcome(
+        age=17, under_18=50, under_21=100
+    )
+
+
+def completed(kind: TransactionKind, outcome: Outcome, client_reference: str | None = None) -> Transaction:
+    return Transaction(
+        reference_id="a" * 32,
+        tenant_id="cl_" + "b" * 24,
+        kind=kind,
+        state=TransactionState.COMPLETED,
+        created_at=1.0,
+        updated_at=2.0,
+        image_key="uploads/x",
+        enroll_face=True,
+        client_reference=client_reference,
+        result=outcome,
+    )
+
+
+def test_the_api_renders_the_interfaces_face_search_shape_with_fresh_proof_urls() -> None:
+    signer = TokenSigner("secret", 60, 900)
+    outcome = SEARCHES[1]
+    tx = completed(TransactionKind.FACE_SEARCH, outcome, client_reference="mine")
+    rendered = render_outcome(tx, outcome, "http://127.0.0.1:8000", signer)
+    assert list(rendered) == ["service_reference_id", "client_reference", "face_search_response"]
+    assert rendered["service_reference_id"] == tx.reference_id and rendered["client_reference"] == "mine"
+    result = rendered["face_search_response"]["result"]
+    assert list(result) == ["matched_faces", "is_face_found"] and result["is_face_found"] is True
+    for entry, match in zip(result["matched_faces"], outcome.matches, strict=True):
+        face_id, score, url, reference = entry
+        assert (face_id, score, reference) == (match.face_id, match.score, match.client_reference)
+        prefix = "http://127.0.0.1:8000/get-proof/"
+        assert url.startswith(prefix)
+        claims = signer.verify_proof(url.removeprefix(prefix))
+        assert (claims.tenant_id, claims.face_id) == (tx.tenant_id, match.face_id)
+    nothing = render_outcome(tx, SEARCHES[0], "http://h", signer)
+    assert nothing["face_search_response"] == {"result": {"matched_faces": [], "is_face_found": False}}
+    no_reference = completed(TransactionKind.FACE_SEARCH, SEARCHES[0])
+    assert render_outcome(no_reference, SEARCHES[0], "http://h", signer)["client_reference"] == ""
+
+
+def test_the_api_renders_the_age_shape_with_unindexed_faces_only_when_there_are_some() -> None:
+    signer = TokenSigner("secret", 60, 900)
+    tx = completed(TransactionKind.AGE_ESTIMATION, AGES[0])
+    assert render_outcome(tx, AGES[0], "http://h", signer) == {
+        "reference_id": tx.reference_id,
+        "age": None,
+        "under_18": None,
+        "under_21": None,
+    }
+    assert render_outcome(tx, AGES[1], "http://h", signer) == {
+        "reference_id": tx.reference_id,
+        "age": 17,
+        "under_18": 50,
+        "under_21": 100,
+    }
+    assert render_outcome(tx, AGES[2], "http://h", signer) == {
+        "reference_id": tx.reference_id,
+        "age": 30,
+        "under_18": 0,
+        "under_21": 0,
+        "unindexed_faces": [
+            {
+                "reasons": ["blurry"],
+                "face_size_px": 80.5,
+                "detector_score": 0.912,
+                "sharpness": 12.3,
+                "yaw": 0.05,
+                "pitch": 0.4,
+                "roll_deg": -3.5,
+            }
+        ],
+    }
