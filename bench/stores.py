@@ -61,7 +61,9 @@ async def measure(url: str, rounds: int) -> list[list[str]]:
             waiting = asyncio.create_task(waiter.wait_final(tx.reference_id, 5.0))
             await asyncio.sleep(0.005)  # let it block
             completed_at = time.perf_counter()
-            await worker.complete(tx.reference_id, AgeEstimationOutcome(age=None, under_18=None, under_21=None))
+            await worker.complete(
+                tx.reference_id, AgeEstimationOutcome(age=None, under_18=None, under_21=None)
+            )
             await waiting
             wake.append((time.perf_counter() - completed_at) * 1000)
 
