@@ -21,6 +21,7 @@ from redis import exceptions as redis_exceptions
 
 from serve_app.api.app import create_app
 from serve_app.domain.errors import BackendUnavailable
+from serve_app.domain.outcomes import FaceSearchOutcome
 from serve_app.embedded import EmbeddedRedis, EmbeddedServices
 from serve_app.settings import Settings
 from serve_app.stores.redis_support import connect_redis
@@ -154,7 +155,7 @@ def test_every_redis_key_belongs_to_exactly_one_documented_family(
         async with edge(settings) as e:
             reference_id = await create_search(e)
             stores = redis_stores(settings)
-            await stores.transactions.complete(reference_id, {"matched_faces": [], "is_face_found": False})
+            await stores.transactions.complete(reference_id, FaceSearchOutcome(is_face_found=False))
             families = {
                 "txn": rf"{p}txn:[0-9a-f]{{32}}",
                 "txn-done": rf"{p}txn-done:[0-9a-f]{{32}}",

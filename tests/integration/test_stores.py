@@ -74,6 +74,9 @@ def prefix() -> str:
     return f"t{uuid.uuid4().hex[:8]}:"
 
 
+NO_FACE = FaceSearchOutcome(is_face_found=False)
+
+
 def make_tx(tenant: str = "tenant-a", **changes: Any) -> Transaction:
     now = time.time()
     fields: dict[str, Any] = {
@@ -204,7 +207,7 @@ def test_transaction_lifecycle(servers: EmbeddedServices) -> None:
             await store.ack([entries[0].entry_id])
             assert await store.depth() == 1  # the failed one was never claimed nor acknowledged
             assert await store.mark_processing("unknown") is None
-            await store.complete("unknown", {})  # ignored, no error
+            await store.complete("unknown", NO_FACE)  # ignored, no error
         finally:
             await redis.aclose()
 
@@ -281,7 +284,7 @@ def test_wait_final_wakes_on_completion_and_times_out(servers: EmbeddedServices)
                 await waiters.create_and_enqueue(tx)
                 waiting = asyncio.create_task(waiters.wait_final(tx.reference_id, 3600.0))
                 await asyncio.sleep(0.01)  # let it block
-                await worker.complete(tx.reference_id, {"ok": True})
+                await worker.complete(tx.reference_id, NO_FACE)
                 final = await settle(waiting)
                 assert final is not None and final.state is TransactionState.COMPLETED
 
@@ -323,7 +326,7 @@ def test_finished_transactions_expire_when_configured(servers: EmbeddedServices)
             tx = make_tx()
             await store.create_and_enqueue(tx)
             assert await redis.ttl(f"{p}txn:{tx.reference_id}") == -1
-            await store.complete(tx.reference_id, {})
+            await store.complete(tx.reference_id, NO_FACE)
             assert 0 < await redis.ttl(f"{p}txn:{tx.reference_id}") <= 60
         finally:
             await redis.aclose()
@@ -376,7 +379,7 @@ def test_redis_down_fails_fast_in_every_store() -> None:
             lambda: tx_store.create_and_enqueue(make_tx()),
             lambda: tx_store.get(new_reference_id()),
             lambda: tx_store.mark_processing("x"),
-            lambda: tx_store.complete("x", {}),
+            lambda: tx_store.complete("x", NO_FACE),
             lambda: tx_store.wait_final(new_reference_id(), 1),
             lambda: tx_store.claim("w", 1, 100),
             lambda: tx_store.reclaim_stale("w", 10, 1),
