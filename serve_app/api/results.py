@@ -30,11 +30,13 @@ def result_response(tx: Transaction, base: str, signer: TokenSigner, created: bo
         )
         data = {"reference_id": tx.reference_id, "state": tx.state.value}
         return JSONResponse(envelope(message, data), status_code=202, headers={"Retry-After": "1"})
-    if tx.state is TransactionState.FAILED or tx.result is None:
-        error = tx.error or "failed"
-        body = error_body(f"The transaction failed: {error}", {"transaction": error})
-        body["result"] = {"data": {"reference_id": tx.reference_id, "state": TransactionState.FAILED.value}}
+    if tx.state is TransactionState.FAILED:
+        body = error_body(f"The transaction failed: {tx.error}", {"transaction": tx.error or "failed"})
+        body["result"] = {"data": {"reference_id": tx.reference_id, "state": tx.state.value}}
         return JSONResponse(body, status_code=200)
+    if tx.result is None:
+        # complete() always stores the outcome; a completed record without one is a bug (a 500, logged).
+        raise RuntimeError(f"completed transaction {tx.reference_id} has no outcome")
     return JSONResponse(envelope("Transaction result.", render_outcome(tx, tx.result, base, signer)))
 
 
