@@ -3,11 +3,16 @@ JSON body and a multipart form validating into the same model."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
-from typing import Any
+from typing import Annotated, Any
 
+import httpx
 import pytest
+from fastapi import APIRouter, Query
 
+from serve_app.api.app import create_app
+from serve_app.api.dependencies import Tenant
 from serve_app.api.request_models import (
     AccessTokenRequest,
     AgeEstimationRequest,
@@ -19,6 +24,7 @@ from serve_app.api.request_models import (
     validate_body,
 )
 from serve_app.domain.errors import PayloadTooLarge, ServiceError, UnsupportedMedia, ValidationFailed
+from tests.unit.fakes import build_api
 
 IMAGE = b"\x89PNG\r\n\x1a\nnot really a png, the rules do not decode"
 DATA_URI = "data:image/png;base64," + base64.b64encode(IMAGE).decode()
@@ -223,3 +229,38 @@ def test_the_json_schema_allows_null_for_optional_json_fields_only() -> None:
     assert json_schema["required"] == form_schema["required"] == ["type", "file"]
     assert form_schema["properties"]["file"]["format"] == "binary"
     assert json_schema["properties"]["file"]["pattern"].startswith("^data:image/")
+
+
+def test_a_router_added_later_gets_the_same_auth_and_never_fastapis_default_422() -> None:
+    """What a further router module (e.g. gallery management) gets from create_app: the Tenant dependency,
+    and FastAPI's own parameter validation answered in the common envelope."""
+
+    async def scenario() -> None:
+        api = await build_api()
+        app = create_app(api.services)
+        extra = APIRouter(tags=["extension"])
+
+        @extra.get("/probe")
+        async def probe(tenant: Tenant, limit: Annotated[int, Query(ge=1, le=200)] = 50) -> dict[str, Any]:
+            return {"tenant": tenant, "limit": limit}
+
+        app.include_router(extra)
+        transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 40000))
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
+            ok = await http.get("/probe", params={"limit": 3}, headers=api.headers())
+            assert ok.status_code == 200 and ok.json()["limit"] == 3
+            assert ok.json()["tenant"] == api.client_id
+            by_secret = await http.get("/probe", headers={"Client-Secret": api.client_secret})
+            assert by_secret.status_code == 200 and by_secret.json()["tenant"] == api.client_id
+            anonymous = await http.get("/probe")
+            assert anonymous.status_code == 401 and anonymous.json()["status"] is False
+            for bad in ("0", "x", "201"):
+                refused = await http.get("/probe", params={"limit": bad}, headers=api.headers())
+                assert refused.status_code == 422, refused.text
+                assert refused.json() == {
+                    "status": False,
+                    "message": "The field 'limit' is invalid.",
+                    "errors": {"limit": "invalid"},
+                }
+
+    asyncio.run(scenario())
