@@ -3,8 +3,9 @@ the JSON Schema that documents it, and FastAPI publishes these schemas in /opena
 
 A JSON body and a multipart form validate into the same model: the form's parts arrive as strings and
 `Upload`s, the JSON body's values as JSON types, and the subclasses for each media type differ only in how
-the image arrives (a data URI or an uploaded file). A rule that fails raises `RuleBroken`, which carries
-the client-facing message, the field's problem and the status family (see `as_service_error`)."""
+the image arrives (a data URI or an uploaded file). A rule that fails raises the error `broken()` makes,
+which carries the client-facing message, the field's problem and the status family; `validate_body` turns
+the first one into the domain error that serve_app/api/errors.py maps to HTTP."""
 
 from __future__ import annotations
 
