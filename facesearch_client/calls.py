@@ -30,7 +30,8 @@ class Call:
 
 def _image(image: Image, filename: str | None) -> tuple[str, bytes]:
     if isinstance(image, bytes):
-        return filename or "image", image
+        # The service checks an upload's extension too: name bytes after their format.
+        return filename or f"image.{'png' if _subtype(image) == 'png' else 'jpg'}", image
     path = Path(image)
     return filename or path.name, path.read_bytes()
 

@@ -225,6 +225,8 @@ def test_requests_are_shaped_as_the_interface_says(tmp_path: Any) -> None:
     service.queue("/age-estimation", httpx.Response(200, json=envelope(age)))
     assert api.age_estimation(b"\xff\xd8 jpeg") == AgeResult(REF, 34, 0, 0, raw=age)
     assert b'name="wait_for_result"\r\n\r\n1' in service.sent("/age-estimation")[0].content
+    # Bytes get a file name with their format's extension (the service checks it).
+    assert b'filename="image.jpg"' in service.sent("/age-estimation")[0].content
 
     page = {
         "faces": [
