@@ -11,7 +11,7 @@ import httpx
 
 from facesearch_client import calls
 from facesearch_client.calls import Call
-from facesearch_client.errors import RetriesExhausted, TransactionFailed
+from facesearch_client.errors import TransactionFailed
 from facesearch_client.models import Pending, Result, parse_result
 
 RETRY_STATUSES = (429, 503)
@@ -27,12 +27,10 @@ class RetryPolicy:
     max_wait_s: float = 30.0
 
     def delay(self, response: httpx.Response, retries_done: int) -> float | None:
-        """Seconds to wait before retrying, or None when the answer is not one to retry."""
-        if response.status_code not in RETRY_STATUSES:
+        """Seconds to wait before retrying, or None when the answer is final: not one to retry, or the
+        retries are spent (the caller then sees that last answer: RetriesExhausted from a typed call)."""
+        if response.status_code not in RETRY_STATUSES or retries_done >= self.max_retries:
             return None
-        if retries_done >= self.max_retries:
-            error = calls.error_of(response)
-            raise RetriesExhausted(response.status_code, error.message, error.errors)
         header = response.headers.get("retry-after", "").strip()
         if header.isdigit():
             return min(float(header), self.max_wait_s)

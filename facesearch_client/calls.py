@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from facesearch_client.errors import ApiError, AuthenticationError
+from facesearch_client.errors import ApiError, AuthenticationError, RetriesExhausted
 
 Image = bytes | str | os.PathLike[str]
 
@@ -145,7 +145,9 @@ def error_of(response: httpx.Response) -> ApiError:
         message, errors = str(body.get("message", "")), dict(body.get("errors") or {})
     except (ValueError, AttributeError):
         message, errors = response.text[:200], {}
-    kind = AuthenticationError if response.status_code == 401 else ApiError
+    kind = {401: AuthenticationError, 429: RetriesExhausted, 503: RetriesExhausted}.get(
+        response.status_code, ApiError
+    )
     return kind(response.status_code, message or response.reason_phrase, errors)
 
 

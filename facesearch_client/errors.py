@@ -22,7 +22,7 @@ class AuthenticationError(ApiError):
 
 
 class RetriesExhausted(ApiError):
-    """429 or 503 answers kept coming after the bounded number of retries."""
+    """429 or 503 answers kept coming after the client's bounded retries (RetryPolicy.max_retries)."""
 
 
 class TransactionFailed(FaceSearchError):

@@ -93,7 +93,7 @@ class FaceSearchClient:
 
     def send(self, call: Call) -> httpx.Response:
         """One call with credentials, retried on 429/503 as the RetryPolicy says, with one fresh login
-        after a 401. Returns the final response whatever its status."""
+        after a 401. Returns the last response whatever its status (a 429/503 once retries are spent)."""
         if not call.authenticated:
             return self._attempts(call, {})
         if self.session.needs_login():

@@ -172,6 +172,16 @@ def test_429_and_503_honour_retry_after_and_give_up_after_the_bound() -> None:
     assert len(service.sent("/result")) == 4 + 4  # the bound: one try and three retries
 
 
+def test_send_returns_the_last_answer_once_retries_are_spent() -> None:
+    from facesearch_client import calls
+
+    service = Service()
+    api, slept = client(service, retry=RetryPolicy(max_retries=0))
+    service.queue("/result", httpx.Response(503, json=error("down"), headers={"Retry-After": "5"}))
+    assert api.send(calls.result(REF)).status_code == 503
+    assert slept == []
+
+
 def test_long_polling_sends_prefer_wait_until_final() -> None:
     service = Service()
     api, slept = client(service)
