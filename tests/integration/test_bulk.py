@@ -92,7 +92,15 @@ def test_bulk_enrolment_resumes_and_reports_failures(
     (folder / "folder-ref-1.jpg").symlink_to(identities[6][0].path)
     (folder / "notes.txt").write_text("ignored: not an image")
     code, summary = run_cli(
-        capsys, service, client, "enroll", str(folder), "--state", str(tmp_path / "f.jsonl")
+        capsys,
+        service,
+        client,
+        "enroll",
+        str(folder),
+        "--state",
+        str(tmp_path / "f.jsonl"),
+        "--failures",
+        str(tmp_path / "f.csv"),
     )
     assert code == 0 and summary["done"] == 1
     assert [face.client_reference for face in api.list_faces("folder-ref-1").faces] == ["folder-ref-1"]
