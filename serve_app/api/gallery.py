@@ -8,19 +8,25 @@ envelope (422) like every other invalid field.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any, Generic, Literal, TypeVar
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Path, Query, Request
 from pydantic import BaseModel, Field
 
 from serve_app.api import parsing
 from serve_app.api.tokens import TokenSigner
 from serve_app.domain.errors import ValidationFailed
+from serve_app.domain.identifiers import FACE_ID_PATTERN
 from serve_app.pipelines.gallery import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE, GalleryService
 
 TAG = "gallery (extension)"
+# 1 to MAX_PAGE_SIZE (200) as a regular expression; empty means absent (the default), as in the interface.
+_LIMIT_PATTERN = f"^([1-9]|[1-9][0-9]|1[0-9][0-9]|{MAX_PAGE_SIZE})?$"
+_REFERENCE_PATTERN = "^[^\\x00-\\x1f]*$"
+_OPTIONAL_REFERENCE_PATTERN = "^([^\\x00-\\x1f]{5,})?$"  # empty means absent
 T = TypeVar("T")
 
 
@@ -60,7 +66,7 @@ class DeletedFace(BaseModel):
 
 class ErasureRequest(BaseModel):
     client_reference: str = Field(
-        min_length=5, max_length=255, pattern="^[^\\x00-\\x1f]*$", description="as the interface's"
+        min_length=5, max_length=255, pattern=_REFERENCE_PATTERN, description="as the interface's"
     )
 
 
@@ -109,7 +115,7 @@ def iso(timestamp: float) -> str:
 def _limit(raw: str | None) -> int:
     if raw is None or raw == "":
         return DEFAULT_PAGE_SIZE
-    if not raw.isascii() or not raw.isdigit() or len(raw) > 6:
+    if re.fullmatch(r"[1-9][0-9]{0,5}", raw) is None:  # no sign, no leading zero, no spaces
         raise ValidationFailed(
             f"limit must be between 1 and {MAX_PAGE_SIZE}.", {"limit": f"must be 1 to {MAX_PAGE_SIZE}"}
         )
@@ -138,7 +144,13 @@ def gallery_router(
     """tenant: resolves (and rate-limits) the authenticated client of a request, raising
     AuthenticationFailed; base_url: the base of proof URLs for a request."""
     router = APIRouter(tags=[TAG], responses=_ERRORS)
-    limit_query = Query(None, description=f"page size, 1 to {MAX_PAGE_SIZE} (default {DEFAULT_PAGE_SIZE})")
+    # The rules are stated in the schema (json_schema_extra) but checked by the handlers, so a value that
+    # breaks them gets the service's envelope rather than FastAPI's own 422 body.
+    limit_query = Query(
+        None,
+        description=f"page size, 1 to {MAX_PAGE_SIZE} (default {DEFAULT_PAGE_SIZE})",
+        json_schema_extra={"pattern": _LIMIT_PATTERN},
+    )
     cursor_query = Query(None, description="next_cursor of the previous page")
 
     @router.get(
@@ -149,7 +161,11 @@ def gallery_router(
     async def list_faces(
         request: Request,
         tenant_id: str = Depends(tenant),
-        client_reference: str | None = Query(None, description="only the faces of this client_reference"),
+        client_reference: str | None = Query(
+            None,
+            description="only the faces of this client_reference",
+            json_schema_extra={"maxLength": 255, "pattern": _OPTIONAL_REFERENCE_PATTERN},
+        ),
         limit: str | None = limit_query,
         cursor: str | None = cursor_query,
     ) -> Envelope[FacePage]:
@@ -175,7 +191,12 @@ def gallery_router(
         response_model=Envelope[DeletedFace],
         responses={404: {"model": ErrorEnvelope, "description": "no such face in this tenant's gallery"}},
     )
-    async def delete_face(face_id: str, tenant_id: str = Depends(tenant)) -> Envelope[DeletedFace]:
+    async def delete_face(
+        face_id: str = Path(
+            description="f and 32 lowercase hex digits", json_schema_extra={"pattern": FACE_ID_PATTERN}
+        ),
+        tenant_id: str = Depends(tenant),
+    ) -> Envelope[DeletedFace]:
         await service.delete_face(tenant_id, tenant_id, face_id)
         return _ok("Face deleted.", DeletedFace(face_id=face_id))
 

@@ -19,6 +19,7 @@ _PROOF_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,1024}\.[A-Za-z0-9_-]{1,1024}\.[A-Za-
 
 REFERENCE_ID_PATTERN = f"^{_REFERENCE_ID.pattern}$"
 CLIENT_ID_PATTERN = f"^{_CLIENT_ID.pattern}$"
+FACE_ID_PATTERN = f"^{_FACE_ID.pattern}$"
 
 
 def new_reference_id() -> str:

@@ -223,6 +223,7 @@ def test_http_contract_and_bad_input() -> None:
                 http.get("/gallery/faces", params={"limit": "0"}, headers=api.headers()),
                 http.get("/gallery/faces", params={"limit": "201"}, headers=api.headers()),
                 http.get("/gallery/faces", params={"limit": "ten"}, headers=api.headers()),
+                http.get("/gallery/faces", params={"limit": "007"}, headers=api.headers()),
                 http.get("/gallery/faces", params={"cursor": "not-a-cursor"}, headers=api.headers()),
                 http.get("/gallery/faces", params={"client_reference": "abc"}, headers=api.headers()),
                 http.get("/gallery/audit", params={"cursor": data["next_cursor"]}, headers=api.headers()),
