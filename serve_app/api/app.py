@@ -9,7 +9,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serve_app.api import errors
 from serve_app.api.dependencies import ApiServices as ApiServices  # re-exported: the app's one argument
 from serve_app.api.limits import BodySizeLimitMiddleware
-from serve_app.api.routes import auth, proofs, transactions
+from serve_app.api.routes import auth, gallery, proofs, transactions
 from serve_app.domain.errors import ServiceError
 
 _DESCRIPTION = (
@@ -29,7 +29,12 @@ def create_app(services: ApiServices) -> FastAPI:
         title="Face search and age estimation",
         version="1.0.0",
         description=_DESCRIPTION,
-        openapi_tags=[{"name": "auth"}, {"name": "transactions"}, {"name": "proofs"}],
+        openapi_tags=[
+            {"name": "auth"},
+            {"name": "transactions"},
+            {"name": "proofs"},
+            {"name": gallery.TAG},
+        ],
     )
     app.state.services = services  # read by serve_app.api.dependencies.api_services
     app.add_middleware(
@@ -41,6 +46,8 @@ def create_app(services: ApiServices) -> FastAPI:
     app.add_exception_handler(Exception, errors.unexpected_error_handler)
     for module in (auth, transactions, proofs):
         app.include_router(module.router())
+    if services.gallery is not None:
+        app.include_router(gallery.router())
 
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> dict[str, bool]:

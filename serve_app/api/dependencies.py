@@ -13,6 +13,7 @@ from serve_app.api.limits import IPNetwork, client_source
 from serve_app.api.tokens import TokenSigner
 from serve_app.domain.errors import AuthenticationFailed
 from serve_app.pipelines.auth import ClientAuthenticator
+from serve_app.pipelines.gallery import GalleryService
 from serve_app.pipelines.proofs import ProofService
 from serve_app.pipelines.transactions import TransactionService
 from serve_app.stores.interfaces import ClientInfo
@@ -30,6 +31,7 @@ class ApiServices:
     wait_for_result_timeout_s: float
     public_base_url: str | None
     trusted_proxies: tuple[IPNetwork, ...] = ()  # whose X-Forwarded-For is believed
+    gallery: GalleryService | None = None  # the gallery management extension (api/routes/gallery.py)
 
 
 def api_services(request: Request) -> ApiServices:

@@ -1,0 +1,122 @@
+"""facesearch_client.bulk against a scripted service (httpx.MockTransport): which rows are sent, what the
+state file and the failures CSV say, and what a second run skips."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from facesearch_client import AsyncFaceSearchClient, bulk
+from serve_app.cli import main
+
+
+def envelope(data: dict[str, Any]) -> dict[str, Any]:
+    return {"status": True, "message": "ok", "result": {"data": data}}
+
+
+class Service:
+    """Enrols every upload except those whose bytes say NOFACE (no face) or BAD (415)."""
+
+    def __init__(self) -> None:
+        self.uploads: list[bytes] = []
+        self.erased: list[str] = []
+        self.results: dict[str, bool] = {}
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == "/face-search":
+            self.uploads.append(request.content)
+            if b"BAD" in request.content:
+                body = {"status": False, "message": "not an image", "errors": {"file": "type"}}
+                return httpx.Response(415, json=body)
+            reference_id = f"{len(self.uploads):032x}"
+            self.results[reference_id] = b"NOFACE" not in request.content
+            return httpx.Response(200, json=envelope({"reference_id": reference_id}))
+        if path == "/result":
+            reference_id = json.loads(request.content)["reference_id"]
+            found = self.results[reference_id]
+            data = {
+                "service_reference_id": reference_id,
+                "client_reference": "x",
+                "face_search_response": {"result": {"matched_faces": [], "is_face_found": found}},
+            }
+            return httpx.Response(200, json=envelope(data))
+        if path == "/gallery/erasures":
+            reference = json.loads(request.content)["client_reference"]
+            self.erased.append(reference)
+            data = {"client_reference": reference, "faces_erased": 1, "erased_at": "2026-11-23T19:00:00Z"}
+            return httpx.Response(200, json=envelope(data))
+        raise AssertionError(path)
+
+
+def client(service: Service) -> AsyncFaceSearchClient:
+    http = httpx.AsyncClient(base_url="http://service", transport=httpx.MockTransport(service))
+    return AsyncFaceSearchClient(client_secret="s", mode="secret", http=http)
+
+
+def test_folder_rows_use_the_file_name_stem(tmp_path: Path) -> None:
+    for name in ("b-0002.JPG", "a-0001.png", "notes.txt"):
+        (tmp_path / name).write_bytes(b"x")
+    (tmp_path / "sub").mkdir()
+    rows = bulk.enrolment_rows(tmp_path)
+    assert [(row.client_reference, row.path.name if row.path else None) for row in rows] == [
+        ("a-0001", "a-0001.png"),
+        ("b-0002", "b-0002.JPG"),
+    ]
+
+
+def test_enrolment_records_failures_and_a_second_run_skips_what_is_done(tmp_path: Path) -> None:
+    photos = {
+        "good-1": b"\xff\xd8 ok 1",
+        "noface": b"\xff\xd8 NOFACE",
+        "bad": b"BAD",
+        "good-2": b"\xff\xd8 ok 2",
+    }
+    for name, content in photos.items():
+        (tmp_path / f"{name}.jpg").write_bytes(content)
+    source = tmp_path / "gallery.csv"
+    with source.open("w", newline="") as handle:
+        csv.writer(handle).writerows(
+            [("path", "client_reference"), *((f"{n}.jpg", f"ref-{n}") for n in photos)]
+        )
+    state, failures = tmp_path / "state.jsonl", tmp_path / "failures.csv"
+    service = Service()
+
+    async def run() -> bulk.Summary:
+        async with client(service) as api:
+            rows = bulk.enrolment_rows(source)
+            return await bulk.enroll(api, rows, state, failures, concurrency=2, progress=False)
+
+    first = asyncio.run(run())
+    assert (first.total, first.done, first.skipped, first.failed) == (4, 2, 0, 2)
+    with failures.open() as handle:
+        reasons = {line["client_reference"]: line["reason"] for line in csv.DictReader(handle)}
+    assert reasons["ref-noface"] == "no face found in the image"
+    assert reasons["ref-bad"].startswith("HTTP 415")
+    second = asyncio.run(run())
+    assert (second.done, second.skipped, second.failed) == (0, 2, 2)
+    # Only the two failed rows were sent again.
+    assert len(service.uploads) == 4 + 2
+
+
+def test_cli_erase_from_a_list_and_bad_arguments(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    listing = tmp_path / "leavers.txt"
+    listing.write_text("customer-1\n\ncustomer-2\n")
+    assert [row.client_reference for row in bulk.erasure_rows(listing)] == ["customer-1", "customer-2"]
+    as_csv = tmp_path / "leavers.csv"
+    as_csv.write_text("client_reference,note\ncustomer-3,left\n")
+    assert [row.client_reference for row in bulk.erasure_rows(as_csv)] == ["customer-3"]
+
+    monkeypatch.delenv("FACESEARCH_CLIENT_SECRET", raising=False)
+    assert main(["erase", str(listing)]) == 2  # no credentials
+    assert main(["erase", str(listing), "--client-secret", "s", "--concurrency", "0"]) == 2
+    assert main(["enroll", str(tmp_path / "missing.csv"), "--client-secret", "s"]) == 2
+    assert "cannot read" in capsys.readouterr().err
