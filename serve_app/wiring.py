@@ -14,6 +14,7 @@ from serve_app.api.limits import parse_networks
 from serve_app.api.tokens import TokenSigner
 from serve_app.pipelines.analysis import DeadlineAnalysis, FaceAnalysisBackend
 from serve_app.pipelines.auth import ClientAuthenticator
+from serve_app.pipelines.gallery import GalleryService
 from serve_app.pipelines.processing import ProcessingPolicy, TransactionProcessor
 from serve_app.pipelines.proofs import ProofService
 from serve_app.pipelines.transactions import TransactionService
@@ -21,6 +22,7 @@ from serve_app.pipelines.worker import QueueWorker, WorkerPolicy
 from serve_app.settings import Settings
 from serve_app.stores.blobs import LocalBlobStore
 from serve_app.stores.milvus_gallery import MilvusGalleryStore
+from serve_app.stores.redis_audit import RedisAuditLog
 from serve_app.stores.redis_clients import RedisClientStore
 from serve_app.stores.redis_ratelimit import RedisRateLimiter
 from serve_app.stores.redis_records import RedisFaceRecordStore
@@ -34,6 +36,7 @@ class RedisStores:
     records: RedisFaceRecordStore
     clients: RedisClientStore
     limiter: RedisRateLimiter
+    audit: RedisAuditLog
 
 
 def _require(value: str | None, name: str) -> str:
@@ -55,6 +58,7 @@ def redis_stores(settings: Settings) -> RedisStores:
         records=RedisFaceRecordStore(redis, prefix=prefix),
         clients=RedisClientStore(redis, pepper=settings.secret_key, prefix=prefix),
         limiter=RedisRateLimiter(redis, prefix=prefix),
+        audit=RedisAuditLog(redis, prefix=prefix),
     )
 
 
@@ -87,6 +91,14 @@ def build_api_services(settings: Settings) -> ApiServices:
         wait_for_result_timeout_s=settings.wait_for_result_timeout_s,
         public_base_url=settings.public_base_url,
         trusted_proxies=parse_networks(settings.trusted_proxies),
+        gallery=GalleryService(
+            stores.records,
+            gallery_store(settings),  # connects to Milvus lazily, on the first gallery removal
+            blobs,
+            stores.audit,
+            subject_key=settings.secret_key.encode(),
+            model_version=MODEL_VERSION,
+        ),
     )
 
 

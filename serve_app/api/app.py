@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app.api import errors, parsing
+from serve_app.api.gallery import gallery_router
 from serve_app.api.limits import BodySizeLimitMiddleware, IPNetwork, client_source
 from serve_app.api.openapi import REQUEST_BODIES, RESPONSES, describe
 from serve_app.api.tokens import TokenSigner
@@ -25,6 +26,7 @@ from serve_app.domain.identifiers import is_client_id, is_proof_token, is_refere
 from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState
 from serve_app.pipelines.auth import ClientAuthenticator
 from serve_app.pipelines.commands import AgeEstimationCommand, FaceSearchCommand
+from serve_app.pipelines.gallery import GalleryService
 from serve_app.pipelines.processing import public_result
 from serve_app.pipelines.proofs import ProofService
 from serve_app.pipelines.transactions import TransactionService
@@ -46,6 +48,7 @@ class ApiServices:
     wait_for_result_timeout_s: float
     public_base_url: str | None
     trusted_proxies: tuple[IPNetwork, ...] = ()  # whose X-Forwarded-For is believed
+    gallery: GalleryService | None = None  # the gallery management extension (api/gallery.py)
 
 
 def envelope(message: str, data: dict[str, Any]) -> dict[str, Any]:
@@ -57,7 +60,12 @@ def create_app(services: ApiServices) -> FastAPI:
         title="Face search and age estimation",
         version="1.0.0",
         description=describe(),
-        openapi_tags=[{"name": "auth"}, {"name": "transactions"}, {"name": "proofs"}],
+        openapi_tags=[
+            {"name": "auth"},
+            {"name": "transactions"},
+            {"name": "proofs"},
+            {"name": "gallery (extension)"},
+        ],
     )
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=services.max_upload_bytes + 64 * 1024)
     app.add_exception_handler(ServiceError, errors.service_error_handler)
@@ -262,4 +270,6 @@ def create_app(services: ApiServices) -> FastAPI:
             },
         }
 
+    if services.gallery is not None:
+        app.include_router(gallery_router(services.gallery, services.signer, tenant_of, base_url))
     return app

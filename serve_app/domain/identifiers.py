@@ -12,6 +12,8 @@ import uuid
 
 _REFERENCE_ID = re.compile(r"[0-9a-f]{32}")
 _CLIENT_ID = re.compile(r"cl_[0-9a-f]{24}")
+# An enrolled face is named after the transaction that enrolled it: "f" + its reference_id.
+_FACE_ID = re.compile(r"f[0-9a-f]{32}")
 # A proof token is a compact JWS (three base64url parts); the length bound keeps a hostile URL cheap.
 _PROOF_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,1024}\.[A-Za-z0-9_-]{1,1024}\.[A-Za-z0-9_-]{1,256}")
 
@@ -33,6 +35,10 @@ def is_reference_id(value: object) -> bool:
 
 def is_client_id(value: object) -> bool:
     return isinstance(value, str) and _CLIENT_ID.fullmatch(value) is not None
+
+
+def is_face_id(value: object) -> bool:
+    return isinstance(value, str) and _FACE_ID.fullmatch(value) is not None
 
 
 def is_proof_token(value: object) -> bool:

@@ -251,12 +251,17 @@ class TransactionProcessor:
             created_at=tx.created_at,
             reference_id=tx.reference_id,
         )
-        if tx.allow_override and tx.client_reference:
-            # Serialise overrides of one client_reference so concurrent ones leave exactly one image.
+        if tx.client_reference:
+            # Serialise enrolments under one client_reference: concurrent overrides leave exactly one
+            # image, and an erasure of the reference (pipelines/gallery.py) never interleaves with the
+            # writes of an enrolment, which would leave a vector without its record.
             async with self._records.reference_lock(
                 tx.tenant_id, tx.client_reference, self._policy.override_lock_timeout_s
             ):
-                return await self._override(record, face)
+                if tx.allow_override:
+                    return await self._override(record, face)
+                await self._add(record, face)
+                return True
         await self._add(record, face)
         return True
 

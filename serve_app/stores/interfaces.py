@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from serve_app.domain.faces import FaceRecord, GalleryEntry, GalleryMatch
+from serve_app.domain.gallery import AuditEntry, GalleryCounts
 from serve_app.domain.transactions import Transaction
 
 
@@ -87,7 +88,20 @@ class FaceRecordStore(Protocol):
         """(tenant_id, face_id) of every record; used by reconciliation."""
 
     def reference_lock(self, tenant_id: str, client_reference: str, timeout_s: float) -> Any:
-        """Async context manager: a distributed lock serialising overrides of one client_reference."""
+        """Async context manager: a distributed lock serialising enrolments, overrides and erasures of one
+        client_reference."""
+
+    async def page(
+        self, tenant_id: str, after: str | None, limit: int
+    ) -> tuple[list[FaceRecord], str | None]:
+        """Up to `limit` of the tenant's records in face_id order, starting after the face id `after`, and
+        the cursor (a face id) to continue from, None at the end. The order is by face id, so faces
+        enrolled or deleted meanwhile never make a page repeat or skip a face that stays."""
+
+    async def records_for_reference(self, tenant_id: str, client_reference: str) -> list[FaceRecord]:
+        """Every record of the tenant enrolled under this client_reference, in face_id order."""
+
+    async def counts(self, tenant_id: str) -> GalleryCounts: ...
 
 
 class GalleryStore(Protocol):
@@ -117,6 +131,16 @@ class BlobStore(Protocol):
     async def sweep(self, keep: Collection[str], older_than_s: float) -> int:
         """Delete every blob not named in `keep` and last written more than older_than_s ago; returns
         how many were deleted."""
+
+
+class AuditLog(Protocol):
+    async def append(self, tenant_id: str, entry: AuditEntry) -> None: ...
+
+    async def page(
+        self, tenant_id: str, before: str | None, limit: int
+    ) -> tuple[list[AuditEntry], str | None]:
+        """Up to `limit` entries, newest first, older than the cursor `before`; and the next cursor (None at
+        the end). A cursor this method did not return raises ValueError."""
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,12 @@ Keys (prefix default "fs:"):
   {p}faces:{tenant}            set of the tenant's face ids (all_face_ids, reconciliation)
   {p}tenants                   set of tenants that have had faces
   {p}ref:{tenant}:{sha256(client_reference)}   sorted set face_id -> created_at (latest_for_reference)
-  {p}lock:ref:{tenant}:{sha256(client_reference)}   the override lock
+  {p}lock:ref:{tenant}:{sha256(client_reference)}   the lock of enrolments, overrides and erasures
+  {p}faces-by-id:{tenant}      sorted set, all scores 0: face ids in lexical order (gallery listing pages)
+  {p}faces-by-time:{tenant}    sorted set face_id -> created_at (oldest / newest enrolment)
+  {p}refs:{tenant}             set of sha256(client_reference) that have faces (distinct references)
+  {p}gallery-indexed:{tenant}  marks that the three indexes above were built for faces enrolled before
+                               they existed (done once, on the first listing or statistics call)
 
 client_reference is user input of any length and content, so it only appears in key names hashed. tenant
 is an issued client id and face_id one the service derived ("f" + reference_id) or signed into a proof
@@ -27,6 +32,7 @@ from redis.asyncio import Redis
 
 from serve_app.domain.errors import BackendUnavailable
 from serve_app.domain.faces import FaceRecord
+from serve_app.domain.gallery import GalleryCounts
 from serve_app.stores.redis_support import redis_errors, text
 
 logger = logging.getLogger(__name__)
@@ -34,6 +40,24 @@ logger = logging.getLogger(__name__)
 
 def _reference_hash(client_reference: str) -> str:
     return hashlib.sha256(client_reference.encode()).hexdigest()
+
+
+# Removes a record and its index entries atomically; the reference leaves the distinct-reference set only
+# when its last face goes, which a MULTI cannot decide. KEYS: face, faces, by-id, by-time, refs, ref (or
+# the face key again when the record had no reference). ARGV: face_id, reference hash ("" for none).
+_DELETE_SCRIPT = """
+redis.call('DEL', KEYS[1])
+redis.call('SREM', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('ZREM', KEYS[4], ARGV[1])
+if ARGV[2] ~= '' then
+  redis.call('ZREM', KEYS[6], ARGV[1])
+  if redis.call('ZCARD', KEYS[6]) == 0 then
+    redis.call('SREM', KEYS[5], ARGV[2])
+  end
+end
+return 1
+"""
 
 
 class RedisFaceRecordStore:
@@ -50,17 +74,31 @@ class RedisFaceRecordStore:
     def _ref_key(self, tenant_id: str, client_reference: str) -> str:
         return f"{self._prefix}ref:{tenant_id}:{_reference_hash(client_reference)}"
 
+    def _by_id_key(self, tenant_id: str) -> str:
+        return f"{self._prefix}faces-by-id:{tenant_id}"
+
+    def _by_time_key(self, tenant_id: str) -> str:
+        return f"{self._prefix}faces-by-time:{tenant_id}"
+
+    def _refs_key(self, tenant_id: str) -> str:
+        return f"{self._prefix}refs:{tenant_id}"
+
     async def put(self, record: FaceRecord) -> None:
         async with redis_errors(), self._redis.pipeline(transaction=True) as pipe:
             pipe.set(self._face_key(record.tenant_id, record.face_id), json.dumps(asdict(record)))
             pipe.sadd(self._faces_key(record.tenant_id), record.face_id)
             pipe.sadd(f"{self._prefix}tenants", record.tenant_id)
-            if record.client_reference is not None:
-                pipe.zadd(
-                    self._ref_key(record.tenant_id, record.client_reference),
-                    {record.face_id: record.created_at},
-                )
+            self._index(pipe, record)
             await pipe.execute()
+
+    def _index(self, pipe: Any, record: FaceRecord) -> None:
+        pipe.zadd(self._by_id_key(record.tenant_id), {record.face_id: 0})
+        pipe.zadd(self._by_time_key(record.tenant_id), {record.face_id: record.created_at})
+        if record.client_reference is not None:
+            pipe.zadd(
+                self._ref_key(record.tenant_id, record.client_reference), {record.face_id: record.created_at}
+            )
+            pipe.sadd(self._refs_key(record.tenant_id), _reference_hash(record.client_reference))
 
     async def get(self, tenant_id: str, face_id: str) -> FaceRecord | None:
         async with redis_errors():
@@ -97,12 +135,79 @@ class RedisFaceRecordStore:
 
     async def delete(self, tenant_id: str, face_id: str) -> None:
         record = await self.get(tenant_id, face_id)
+        reference = record.client_reference if record is not None else None
+        face_key = self._face_key(tenant_id, face_id)
+        keys = [
+            face_key,
+            self._faces_key(tenant_id),
+            self._by_id_key(tenant_id),
+            self._by_time_key(tenant_id),
+            self._refs_key(tenant_id),
+            self._ref_key(tenant_id, reference) if reference is not None else face_key,
+        ]
+        args = [face_id, _reference_hash(reference) if reference is not None else ""]
+        async with redis_errors():
+            await self._redis.eval(_DELETE_SCRIPT, len(keys), *keys, *args)
+
+    async def _ensure_indexed(self, tenant_id: str) -> None:
+        """Index faces enrolled before the gallery indexes existed (once per tenant). Adding is
+        idempotent, so faces enrolled or deleted meanwhile are at worst indexed twice or left as a stale
+        entry that the listing skips (it reads the records)."""
+        marker = f"{self._prefix}gallery-indexed:{tenant_id}"
+        async with redis_errors():
+            if await self._redis.exists(marker):
+                return
+        face_ids = sorted(face_id for _, face_id in await self.all_face_ids(tenant_id))
+        for start in range(0, len(face_ids), 1000):
+            records = await self.get_many(tenant_id, face_ids[start : start + 1000])
+            async with redis_errors(), self._redis.pipeline(transaction=False) as pipe:
+                for record in records.values():
+                    self._index(pipe, record)
+                await pipe.execute()
+        async with redis_errors():
+            await self._redis.set(marker, "1")
+
+    async def page(
+        self, tenant_id: str, after: str | None, limit: int
+    ) -> tuple[list[FaceRecord], str | None]:
+        await self._ensure_indexed(tenant_id)
+        start = f"({after}" if after is not None else "-"
+        async with redis_errors():
+            raw = await self._redis.zrangebylex(self._by_id_key(tenant_id), start, "+", start=0, num=limit)
+        face_ids = [text(face_id) for face_id in raw]
+        records = await self.get_many(tenant_id, face_ids)
+        # An index entry whose record is gone (a delete racing the one-time indexing) is skipped.
+        page = [records[face_id] for face_id in face_ids if face_id in records]
+        return page, (face_ids[-1] if len(face_ids) == limit else None)
+
+    async def records_for_reference(self, tenant_id: str, client_reference: str) -> list[FaceRecord]:
+        async with redis_errors():
+            face_ids = sorted(
+                text(face_id)
+                for face_id in await self._redis.zrange(self._ref_key(tenant_id, client_reference), 0, -1)
+            )
+        records = await self.get_many(tenant_id, face_ids)
+        return [
+            records[face_id]
+            for face_id in face_ids
+            if face_id in records and records[face_id].client_reference == client_reference
+        ]
+
+    async def counts(self, tenant_id: str) -> GalleryCounts:
+        await self._ensure_indexed(tenant_id)
+        by_time = self._by_time_key(tenant_id)
         async with redis_errors(), self._redis.pipeline(transaction=True) as pipe:
-            pipe.delete(self._face_key(tenant_id, face_id))
-            pipe.srem(self._faces_key(tenant_id), face_id)
-            if record is not None and record.client_reference is not None:
-                pipe.zrem(self._ref_key(tenant_id, record.client_reference), face_id)
-            await pipe.execute()
+            pipe.scard(self._faces_key(tenant_id))
+            pipe.scard(self._refs_key(tenant_id))
+            pipe.zrange(by_time, 0, 0, withscores=True)
+            pipe.zrange(by_time, -1, -1, withscores=True)
+            faces, references, oldest, newest = await pipe.execute()
+        return GalleryCounts(
+            faces=int(faces),
+            client_references=int(references),
+            oldest_enrolment=float(oldest[0][1]) if oldest else None,
+            newest_enrolment=float(newest[0][1]) if newest else None,
+        )
 
     async def all_face_ids(self, tenant_id: str | None = None) -> set[tuple[str, str]]:
         async with redis_errors():

@@ -48,6 +48,7 @@ from serve_app.api.limits import parse_networks
 from serve_app.api.tokens import TokenSigner
 from serve_app.domain.errors import BackendUnavailable
 from serve_app.domain.faces import FaceRecord, GalleryEntry, GalleryMatch
+from serve_app.domain.gallery import AuditEntry, GalleryCounts
 from serve_app.domain.identifiers import new_client_id
 from serve_app.domain.transactions import Transaction, TransactionState
 from serve_app.pipelines.auth import ClientAuthenticator
@@ -382,6 +383,30 @@ class FakeFaceRecordStore:
             self.lock_holders[key] -= 1
             lock.release()
 
+    async def page(
+        self, tenant_id: str, after: str | None, limit: int
+    ) -> tuple[list[FaceRecord], str | None]:
+        await self._faults.check("records.page")
+        ordered = sorted(face_id for tenant, face_id in self._items if tenant == tenant_id)
+        chosen = [face_id for face_id in ordered if after is None or face_id > after][:limit]
+        next_cursor = chosen[-1] if len(chosen) == limit else None
+        return [self._items[(tenant_id, face_id)] for face_id in chosen], next_cursor
+
+    async def records_for_reference(self, tenant_id: str, client_reference: str) -> list[FaceRecord]:
+        await self._faults.check("records.records_for_reference")
+        return sorted(self.for_reference(tenant_id, client_reference), key=lambda record: record.face_id)
+
+    async def counts(self, tenant_id: str) -> GalleryCounts:
+        await self._faults.check("records.counts")
+        records = self.records(tenant_id)
+        times = [record.created_at for record in records]
+        return GalleryCounts(
+            faces=len(records),
+            client_references=len({r.client_reference for r in records if r.client_reference is not None}),
+            oldest_enrolment=min(times) if times else None,
+            newest_enrolment=max(times) if times else None,
+        )
+
     # Test helpers.
     def records(self, tenant_id: str | None = None) -> list[FaceRecord]:
         return [record for key, record in self._items.items() if tenant_id is None or key[0] == tenant_id]
@@ -448,6 +473,33 @@ class FakeGalleryStore:
 
     def entry(self, tenant_id: str, face_id: str) -> GalleryEntry:
         return self._items[(tenant_id, face_id)]
+
+
+# -------------------------------------------------------------------------------------------- audit
+
+
+class FakeAuditLog:
+    """Entries per tenant in append order; cursors are their positions, as stream ids are in Redis."""
+
+    def __init__(self, faults: Faults | None = None) -> None:
+        self._faults = faults or Faults()
+        self.entries: dict[str, list[AuditEntry]] = {}
+
+    async def append(self, tenant_id: str, entry: AuditEntry) -> None:
+        await self._faults.check("audit.append")
+        self.entries.setdefault(tenant_id, []).append(entry)
+
+    async def page(
+        self, tenant_id: str, before: str | None, limit: int
+    ) -> tuple[list[AuditEntry], str | None]:
+        await self._faults.check("audit.page")
+        if before is not None and not before.isdigit():
+            raise ValueError("not an audit cursor")
+        stored = self.entries.get(tenant_id, [])
+        end = int(before) if before is not None else len(stored)
+        positions = list(range(end - 1, -1, -1))[:limit]
+        next_cursor = str(positions[-1]) if len(positions) == limit else None
+        return [stored[position] for position in positions], next_cursor
 
 
 # -------------------------------------------------------------------------------------------- blobs

@@ -267,7 +267,8 @@ def test_enrolment_without_override_keeps_earlier_faces_of_the_reference() -> No
         tx = await submit_search(world, RED, client_reference="customer-1")
         await world.processor().process(tx.reference_id)
         assert world.gallery.face_ids(TENANT) == {"earlier", enrolled_face_id(tx.reference_id)}
-        assert world.record_store.lock_acquisitions == []
+        # Every enrolment under a reference holds its lock, so an erasure of it cannot interleave.
+        assert world.record_store.lock_acquisitions == [(TENANT, "customer-1")]
 
     asyncio.run(scenario())
 

@@ -1,0 +1,31 @@
+"""Gallery management (an extension beyond the vendor interface): statistics and the audit trail."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class AuditAction(StrEnum):
+    ERASE_REFERENCE = "erase_reference"
+    DELETE_FACE = "delete_face"
+
+
+@dataclass(frozen=True)
+class AuditEntry:
+    """One operator action on a gallery. `subject` is a keyed hash of the client_reference or face id:
+    the trail proves what was done, when and by whom without keeping the erased value itself."""
+
+    at: float  # unix time
+    actor: str  # the client id that asked
+    action: AuditAction
+    faces: int  # how many faces the action removed
+    subject: str
+
+
+@dataclass(frozen=True)
+class GalleryCounts:
+    faces: int
+    client_references: int
+    oldest_enrolment: float | None
+    newest_enrolment: float | None

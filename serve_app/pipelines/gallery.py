@@ -1,0 +1,198 @@
+"""Gallery management per tenant (an extension beyond the vendor interface): list the enrolled faces,
+delete one, erase every face of a client_reference, statistics, and the audit trail of removals.
+
+Removal order is the one TransactionProcessor.remove uses: vector first (the face stops matching at once),
+then the record (a vector without its record never matches anyway), then the proof image. Removals of a
+client_reference's faces hold that reference's lock, which every enrolment under a reference takes too, so
+an erasure racing an enrolment of the same reference either removes the new face or runs before it was
+written, and never leaves a vector or proof without its record.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from serve_app.domain.errors import NotFound, ValidationFailed
+from serve_app.domain.faces import FaceRecord
+from serve_app.domain.gallery import AuditAction, AuditEntry, GalleryCounts
+from serve_app.domain.identifiers import is_face_id
+from serve_app.stores.interfaces import AuditLog, BlobStore, FaceRecordStore, GalleryStore
+
+DEFAULT_PAGE_SIZE = 50
+MAX_PAGE_SIZE = 200
+_FACE_CURSOR = "face:"
+_AUDIT_CURSOR = "audit:"
+
+
+@dataclass(frozen=True)
+class FacePage:
+    faces: list[FaceRecord]
+    next_cursor: str | None
+
+
+@dataclass(frozen=True)
+class AuditPage:
+    entries: list[AuditEntry]
+    next_cursor: str | None
+
+
+@dataclass(frozen=True)
+class Erasure:
+    client_reference: str
+    faces_erased: int
+    erased_at: float
+
+
+@dataclass(frozen=True)
+class GalleryStats:
+    counts: GalleryCounts
+    model_version: str
+
+
+def _encode_cursor(kind: str, value: str) -> str:
+    return base64.urlsafe_b64encode(f"{kind}{value}".encode()).decode().rstrip("=")
+
+
+def _decode_cursor(kind: str, cursor: str) -> str:
+    """The value inside a cursor this service issued; ValidationFailed for anything else."""
+    try:
+        if len(cursor) > 200:
+            raise ValueError("too long")
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode("ascii")
+    except (ValueError, binascii.Error):
+        raw = ""
+    if not raw.startswith(kind):
+        raise ValidationFailed("cursor is not a cursor this endpoint returned.", {"cursor": "invalid"})
+    return raw[len(kind) :]
+
+
+def check_limit(limit: int) -> int:
+    if not 1 <= limit <= MAX_PAGE_SIZE:
+        raise ValidationFailed(
+            f"limit must be between 1 and {MAX_PAGE_SIZE}.", {"limit": f"must be 1 to {MAX_PAGE_SIZE}"}
+        )
+    return limit
+
+
+class GalleryService:
+    def __init__(
+        self,
+        records: FaceRecordStore,
+        gallery: GalleryStore,
+        blobs: BlobStore,
+        audit: AuditLog,
+        *,
+        subject_key: bytes,
+        model_version: str,
+        lock_timeout_s: float = 30.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        """subject_key: the secret the audit trail's subject hashes are keyed with (the service secret),
+        so a trail that leaks does not let anyone confirm a guessed client_reference."""
+        self._records = records
+        self._gallery = gallery
+        self._blobs = blobs
+        self._audit = audit
+        self._subject_key = subject_key
+        self._model_version = model_version
+        self._lock_timeout_s = lock_timeout_s
+        self._clock = clock
+
+    def subject_hash(self, kind: str, value: str) -> str:
+        """The audit trail's name for a client_reference or face id: HMAC-SHA256 under the service key.
+        An operator with the key can recompute it to answer 'was this reference erased?'."""
+        digest = hmac.new(self._subject_key, f"{kind}:{value}".encode(), hashlib.sha256).hexdigest()
+        return f"hmac-sha256:{digest[:32]}"
+
+    async def list_faces(
+        self, tenant_id: str, client_reference: str | None, cursor: str | None, limit: int
+    ) -> FacePage:
+        check_limit(limit)
+        after = _decode_cursor(_FACE_CURSOR, cursor) if cursor is not None else None
+        if after is not None and not is_face_id(after):
+            raise ValidationFailed("cursor is not a cursor this endpoint returned.", {"cursor": "invalid"})
+        if client_reference is None:
+            faces, last = await self._records.page(tenant_id, after, limit)
+        else:
+            # One reference has few faces: read them all and page in memory, in the same face id order.
+            every = await self._records.records_for_reference(tenant_id, client_reference)
+            remaining = [record for record in every if after is None or record.face_id > after]
+            faces = remaining[:limit]
+            last = faces[-1].face_id if len(remaining) > limit else None
+        return FacePage(faces, _encode_cursor(_FACE_CURSOR, last) if last is not None else None)
+
+    async def delete_face(self, tenant_id: str, actor: str, face_id: str) -> None:
+        if not is_face_id(face_id):
+            raise ValidationFailed(
+                "face_id is not a valid face id.", {"face_id": "must be f followed by 32 hex digits"}
+            )
+        record = await self._records.get(tenant_id, face_id)
+        if record is None:
+            raise NotFound("No enrolled face has this face_id.")
+        if record.client_reference is not None:
+            async with self._records.reference_lock(tenant_id, record.client_reference, self._lock_timeout_s):
+                # Re-read under the lock: an erasure may have removed it meanwhile.
+                current = await self._records.get(tenant_id, face_id)
+                if current is None:
+                    raise NotFound("No enrolled face has this face_id.")
+                await self._remove([current])
+        else:
+            await self._remove([record])
+        await self._audit.append(
+            tenant_id,
+            AuditEntry(
+                at=self._clock(),
+                actor=actor,
+                action=AuditAction.DELETE_FACE,
+                faces=1,
+                subject=self.subject_hash("face", face_id),
+            ),
+        )
+
+    async def erase_reference(self, tenant_id: str, actor: str, client_reference: str) -> Erasure:
+        """Remove every face of the reference. Idempotent: an unknown reference erases 0 faces (and is
+        still audited: the request was honoured)."""
+        async with self._records.reference_lock(tenant_id, client_reference, self._lock_timeout_s):
+            records = await self._records.records_for_reference(tenant_id, client_reference)
+            await self._remove(records)
+        erased_at = self._clock()
+        await self._audit.append(
+            tenant_id,
+            AuditEntry(
+                at=erased_at,
+                actor=actor,
+                action=AuditAction.ERASE_REFERENCE,
+                faces=len(records),
+                subject=self.subject_hash("reference", client_reference),
+            ),
+        )
+        return Erasure(client_reference, len(records), erased_at)
+
+    async def _remove(self, records: Sequence[FaceRecord]) -> None:
+        if not records:
+            return
+        tenant_id = records[0].tenant_id
+        await self._gallery.delete(tenant_id, [record.face_id for record in records])
+        for record in records:
+            await self._records.delete(tenant_id, record.face_id)
+            await self._blobs.delete(record.proof_key)
+
+    async def stats(self, tenant_id: str) -> GalleryStats:
+        return GalleryStats(await self._records.counts(tenant_id), self._model_version)
+
+    async def audit(self, tenant_id: str, cursor: str | None, limit: int) -> AuditPage:
+        check_limit(limit)
+        before = _decode_cursor(_AUDIT_CURSOR, cursor) if cursor is not None else None
+        try:
+            entries, last = await self._audit.page(tenant_id, before, limit)
+        except ValueError:
+            raise ValidationFailed(
+                "cursor is not a cursor this endpoint returned.", {"cursor": "invalid"}
+            ) from None
+        return AuditPage(entries, _encode_cursor(_AUDIT_CURSOR, last) if last is not None else None)
