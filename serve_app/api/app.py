@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app.api import errors, parsing
+from serve_app.api.console import mount_console
 from serve_app.api.gallery import gallery_router
 from serve_app.api.limits import BodySizeLimitMiddleware, IPNetwork, client_source
 from serve_app.api.openapi import REQUEST_BODIES, RESPONSES, describe
@@ -71,6 +72,7 @@ def create_app(services: ApiServices) -> FastAPI:
     app.add_exception_handler(ServiceError, errors.service_error_handler)
     app.add_exception_handler(StarletteHTTPException, errors.http_error_handler)
     app.add_exception_handler(Exception, errors.unexpected_error_handler)
+    mount_console(app, services.public_base_url)
 
     def source_of(request: Request) -> str:
         peer = request.client.host if request.client else None
