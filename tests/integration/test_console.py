@@ -346,5 +346,14 @@ def test_gallery_browse_delete_and_erase(
     )
     assert gallery_face_ids(service, token, erased) == []
     assert len(gallery_face_ids(service, token, kept)) == 1
+    # The audit log shows both, newest first, with the numbers of faces.
+    page.wait_for_function("() => document.querySelectorAll('#audit tbody tr').length === 2")
+    actions = page.eval_on_selector_all(
+        "#audit tbody tr",
+        "(rows) => rows.map((r) => [r.querySelector('.action').textContent,"
+        " r.querySelector('.faces').textContent])",
+    )
+    assert actions == [["erase_reference", "2"], ["delete_face", "1"]], actions
+    assert erased not in (page.text_content("#audit") or "")  # a keyed hash, not the reference
     console.screenshot("05-after-erase.png")
     console.check_no_foreign_requests()

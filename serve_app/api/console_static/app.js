@@ -131,6 +131,7 @@
     setError($("sign-in-error"), message || "");
     $("faces").tBodies[0].replaceChildren();
     $("stats").replaceChildren();
+    $("audit").tBodies[0].replaceChildren();
     show($("result"), false);
   }
 
@@ -274,10 +275,32 @@
     }
   }
 
+  async function loadAudit() {
+    try {
+      const { body } = await api("/gallery/audit?limit=20");
+      const entries = body.result.data.entries;
+      $("audit").tBodies[0].replaceChildren(
+        ...entries.map((entry) =>
+          el("tr", { className: "audit-entry" }, [
+            el("td", { text: entry.at }),
+            el("td", { className: "action", text: entry.action }),
+            el("td", { className: "faces", text: String(entry.faces) }),
+            el("td", {}, [el("code", { text: entry.actor })]),
+            el("td", {}, [el("code", { text: entry.subject })]),
+          ]),
+        ),
+      );
+      $("audit-status").textContent = entries.length ? "" : "Nothing deleted or erased yet.";
+    } catch (error) {
+      setError($("gallery-error"), error.message);
+    }
+  }
+
   async function loadGallery(cursor) {
     setError($("gallery-error"), "");
     $("gallery-status").textContent = "Loading…";
     loadStats();
+    loadAudit();
     const params = new URLSearchParams({ limit: $("page-size").value });
     const reference = $("filter-reference").value;
     if (reference) params.set("client_reference", reference);
