@@ -23,16 +23,17 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # read by ray a
 
 import argparse
 import asyncio
-import base64
+import contextlib
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import httpx
 import numpy as np
 
 from bench.common import format_table, load_image
+from facesearch_client import AsyncFaceSearchClient, Pending, RetryPolicy
 from tests.faces_dev import load_faces_dev
 from tests.service_harness import running_service
 
@@ -77,24 +78,6 @@ def dlib_reference_images_per_s(paths: list[Path]) -> float:
     return len(images) / (time.perf_counter() - started)
 
 
-async def _poll(
-    http: httpx.AsyncClient, headers: dict[str, str], reference_id: str, timeout_s: float
-) -> None:
-    deadline = time.monotonic() + timeout_s
-    interval = 0.05  # back off like a polite client: 50 ms growing to 400 ms
-    if "Prefer" in headers:
-        interval = 0.0  # a long poll answers when the result is final: ask again at once if it ran out
-    while time.monotonic() < deadline:
-        response = await http.post("/result", headers=headers, json={"reference_id": reference_id})
-        if response.status_code == 200:
-            return
-        if response.status_code != 202:
-            raise RuntimeError(f"/result answered {response.status_code}: {response.text[:200]}")
-        await asyncio.sleep(interval)
-        interval = min(0.4, interval * 1.5)
-    raise TimeoutError(reference_id)
-
-
 async def run_phase(
     call: Callable[[int], Awaitable[None]], requests: int, concurrency: int, timeout_s: float
 ) -> tuple[float, list[float], int]:
@@ -118,17 +101,15 @@ async def run_phase(
 
 
 class ServiceCalls:
-    """One client transaction per call, as the benchmark's clients make them; `index` picks the photo."""
+    """One client transaction per call, as the benchmark's clients make them (through facesearch_client,
+    with no retries so a refused call counts as a failure); `index` picks the photo."""
 
     def __init__(
-        self, http: httpx.AsyncClient, token: str, faces: list[Path], ages: list[Path], timeout_s: float
+        self, client: AsyncFaceSearchClient, faces: list[Path], ages: list[Path], timeout_s: float
     ) -> None:
-        self._http = http
-        self._headers = {"Authorization": f"Bearer {token}"}
-        self._uris = [
-            f"data:image/jpeg;base64,{base64.b64encode(path.read_bytes()).decode()}" for path in faces
-        ]
-        self._ages = [(path.name, path.read_bytes()) for path in ages]
+        self._client = client
+        self._faces = [path.read_bytes() for path in faces]
+        self._ages = [path.read_bytes() for path in ages]
         self._timeout_s = timeout_s
 
     def by_name(self) -> dict[str, tuple[Callable[[int], Awaitable[None]], str]]:
@@ -141,45 +122,36 @@ class ServiceCalls:
         }
 
     async def search(self, index: int) -> None:
-        await _poll(self._http, self._headers, await self._create_search(index), self._timeout_s)
+        # Polite polling: 50 ms growing to 400 ms between polls.
+        await self._client.wait(await self._create_search(index), self._timeout_s, long_poll_s=None)
 
     async def search_long_poll(self, index: int) -> None:
-        headers = {**self._headers, "Prefer": "wait=10"}
-        await _poll(self._http, headers, await self._create_search(index), self._timeout_s)
+        await self._client.wait(await self._create_search(index), self._timeout_s, long_poll_s=10)
 
     async def age_poll(self, index: int) -> None:
-        response = await self._create_age(index, wait=False)
-        response.raise_for_status()
-        reference_id = response.json()["result"]["data"]["reference_id"]
-        await _poll(self._http, self._headers, reference_id, self._timeout_s)
+        photo = self._ages[index % len(self._ages)]
+        reference_id = await self._client.submit_age_estimation(photo, enroll_face=False)
+        await self._client.wait(reference_id, self._timeout_s, long_poll_s=None)
 
     async def age_wait(self, index: int) -> None:
-        response = await self._create_age(index, wait=True)
-        if response.status_code != 200:
-            raise RuntimeError(response.text[:200])
+        answer = await self._client.age_estimation(self._ages[index % len(self._ages)], enroll_face=False)
+        if isinstance(answer, Pending):
+            raise RuntimeError(f"{answer.reference_id} not final within wait_for_result")
 
     async def _create_search(self, index: int) -> str:
-        body = {
-            "type": "face_search",
-            "file": self._uris[index % len(self._uris)],
-            "enroll_face": index % 4 == 0,
-            "client_reference": f"bench-{index % 50:04d}",
-        }
-        response = await self._http.post("/face-search", headers=self._headers, json=body)
-        response.raise_for_status()
-        return str(response.json()["result"]["data"]["reference_id"])
-
-    async def _create_age(self, index: int, wait: bool) -> httpx.Response:
-        name, data = self._ages[index % len(self._ages)]
-        form = {"type": "age_estimation", "enroll_face": "0", "wait_for_result": "1" if wait else "0"}
-        return await self._http.post(
-            "/age-estimation", headers=self._headers, data=form, files={"file": (name, data)}
+        return await self._client.submit_face_search(
+            self._faces[index % len(self._faces)],
+            as_json=True,
+            enroll_face=index % 4 == 0,
+            client_reference=f"bench-{index % 50:04d}",
         )
 
 
-def client_pool(base_url: str) -> httpx.AsyncClient:
+@contextlib.asynccontextmanager
+async def client_pool(base_url: str, token: str) -> AsyncIterator[AsyncFaceSearchClient]:
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-    return httpx.AsyncClient(base_url=base_url, timeout=60, limits=limits)
+    async with httpx.AsyncClient(base_url=base_url, timeout=60, limits=limits) as http:
+        yield AsyncFaceSearchClient(token=token, http=http, retry=RetryPolicy(max_retries=0))
 
 
 async def service_rows(
@@ -192,8 +164,8 @@ async def service_rows(
 ) -> list[list[str]]:
     """in_process: the pipeline's images/s on the same photos ("faces", "ages"), for the ratio column."""
     rows: list[list[str]] = []
-    async with client_pool(base_url) as http:
-        calls = ServiceCalls(http, token, faces, ages, args.phase_timeout)
+    async with client_pool(base_url, token) as client:
+        calls = ServiceCalls(client, faces, ages, args.phase_timeout)
         await run_phase(calls.search, 8, 4, args.phase_timeout)  # warm-up: replicas, connections, Milvus
         for name, (call, workload) in calls.by_name().items():
             for concurrency in args.concurrency:

@@ -79,8 +79,8 @@ async def measure(base_url: str, token: str, args: argparse.Namespace) -> tuple[
     ages = [image.path for image in dev.of_kind("age")]
     columns: dict[str, dict[str, float]] = {}
     rates: dict[str, float] = {}
-    async with client_pool(base_url) as http:
-        calls = ServiceCalls(http, token, faces, ages, args.phase_timeout)
+    async with client_pool(base_url, token) as client:
+        calls = ServiceCalls(client, faces, ages, args.phase_timeout)
         await run_phase(calls.search, 8, 4, args.phase_timeout)  # warm-up
         for name, (call, _workload) in calls.by_name().items():
             before = cpu_seconds_by_role()

@@ -7,8 +7,10 @@
 Every run is bounded by -t; each simulated user also stops itself after FACESEARCH_LOAD_MAX_TASKS tasks
 (default 500), and a headless run ends once every user has stopped, so a run ends even without -t.
 
-A request counts as failed when its status is unexpected, when a result is not final within 30 s, when a
-transaction ends `failed`, or when a proof URL does not serve an image. Proofs are only taken for faces
+Users send through facesearch_client (login and token refresh, polling, back-off on 429/503); every HTTP
+request it makes, retries included, is reported to Locust. A request counts as failed when it gets an error
+status, when a result is not final within 30 s, when a transaction ends `failed`, or when a proof URL does
+not serve an image. Proofs are only taken for faces
 that nothing replaces (enrolled under "keep-..." references, never overridden), so every proof URL taken
 must serve its image; the "load-..." references are overridden all the time to exercise replacement.
 At the end one line sums it up: requests=.. failures=.. p50=..ms p99=..ms (exit code 1 on any failure).
@@ -16,7 +18,6 @@ At the end one line sums it up: requests=.. failures=.. p50=..ms p99=..ms (exit 
 
 from __future__ import annotations
 
-import base64
 import functools
 import itertools
 import os
@@ -28,16 +29,28 @@ from pathlib import Path
 from typing import Any
 
 import gevent
-from locust import HttpUser, between, events, task
+import httpx
+from locust import User, between, events, task
 from locust.env import Environment
 from locust.exception import StopUser
 from locust.runners import STATE_RUNNING, LocalRunner
+
+from facesearch_client import (
+    AgeResult,
+    ApiError,
+    FaceSearchClient,
+    FaceSearchError,
+    FaceSearchResult,
+    Pending,
+    ResultTimeout,
+    TransactionFailed,
+)
+from facesearch_client.models import Result
 
 MAX_TASKS_PER_USER = int(os.environ.get("FACESEARCH_LOAD_MAX_TASKS", "500"))
 POLL_TIMEOUT_S = 30.0
 POLL_INTERVAL_S = 0.1
 LONG_POLL_WAIT_S = 5  # users that long-poll send `Prefer: wait=5` instead of sleeping between polls
-TOKEN_REFRESH_MARGIN_S = 60.0
 PROOF_URLS_KEPT = 20
 KEEP_PREFIX = "keep-"
 _DEFAULT_PHOTOS = Path(__file__).resolve().parent.parent.parent / "shared" / "testdata" / "faces-dev"
@@ -49,15 +62,8 @@ class Photo:
     data: bytes
 
     @property
-    def subtype(self) -> str:
-        return "png" if self.name.lower().endswith(".png") else "jpeg"
-
-    @property
     def stem(self) -> str:
         return self.name.rsplit(".", 1)[0]
-
-    def data_uri(self) -> str:
-        return f"data:image/{self.subtype};base64,{base64.b64encode(self.data).decode()}"
 
 
 @functools.cache
@@ -83,90 +89,115 @@ def _arguments(parser: Any) -> None:
 _USER_NUMBERS = itertools.count()
 
 
-class FaceSearchUser(HttpUser):
+def _endpoint(request: httpx.Request) -> str:
+    """The name a request is reported under: one per endpoint, whatever its token or options."""
+    path = request.url.path
+    if path.startswith("/get-proof/"):
+        return "/get-proof/[token]"
+    if path == "/result" and "prefer" in request.headers:
+        return "/result (long poll)"
+    return path
+
+
+class LocustTransport(httpx.BaseTransport):
+    """Reports every request the client sends (retries included) to Locust: its time, size and, for an
+    HTTP error status, a failure."""
+
+    def __init__(self, environment: Environment) -> None:
+        self._environment = environment
+        self._inner = httpx.HTTPTransport()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        started = time.perf_counter()
+        exception: BaseException | None = None
+        length = 0
+        try:
+            response = self._inner.handle_request(request)
+            length = len(response.read())
+            if response.status_code >= 400:
+                exception = RuntimeError(f"answered {response.status_code}: {response.text[:200]}")
+            return response
+        except httpx.TransportError as error:
+            exception = error
+            raise
+        finally:
+            self._environment.events.request.fire(
+                request_type=request.method,
+                name=_endpoint(request),
+                response_time=(time.perf_counter() - started) * 1000,
+                response_length=length,
+                response=None,
+                exception=exception,
+                context={},
+            )
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+class FaceSearchUser(User):
+    """Drives the service through facesearch_client (login and token refresh, polling, back-off)."""
+
     wait_time = between(0.05, 0.3)
 
     def on_start(self) -> None:
         self.tasks_done = 0
         self.proof_urls: deque[str] = deque(maxlen=PROOF_URLS_KEPT)
-        self.headers: dict[str, str] = {}
-        self.token_expires_at = 0.0
         # Every other user long-polls /result, the rest poll on a timer: both ways real clients use.
-        self.long_poll = next(_USER_NUMBERS) % 2 == 1
-        self._login()
-
-    def _login(self) -> None:
+        self.long_poll_s = LONG_POLL_WAIT_S if next(_USER_NUMBERS) % 2 == 1 else None
         options = self.environment.parsed_options
-        with self.client.post(
-            "/request-access-token",
-            json={"client_id": options.client_id, "client_secret": options.client_secret},
-            name="/request-access-token",
-            catch_response=True,
-        ) as response:
-            if response.status_code != 200:
-                response.failure(f"login answered {response.status_code}: {response.text[:200]}")
-                raise StopUser()
-            data = response.json()["result"]["data"]
-        self.headers = {"Authorization": f"Bearer {data['token']}"}
-        self.token_expires_at = time.monotonic() + float(data["expires_in"])
+        http = httpx.Client(base_url=self.host or "", transport=LocustTransport(self.environment), timeout=60)
+        self.api = FaceSearchClient(
+            client_id=options.client_id, client_secret=options.client_secret, http=http
+        )
+        try:
+            self.api.login()
+        except FaceSearchError:
+            raise StopUser() from None
+
+    def on_stop(self) -> None:
+        self.api.close()
 
     def _begin_task(self) -> None:
         self.tasks_done += 1
         if self.tasks_done > MAX_TASKS_PER_USER:
             raise StopUser()
-        if time.monotonic() > self.token_expires_at - TOKEN_REFRESH_MARGIN_S:
-            self._login()  # access tokens last 15 minutes; a longer run logs in again
 
-    def _poll(self, reference_id: str) -> dict[str, Any] | None:
-        """The final result body, or None after recording why there is none."""
-        deadline = time.monotonic() + POLL_TIMEOUT_S
-        headers = {**self.headers, "Prefer": f"wait={LONG_POLL_WAIT_S}"} if self.long_poll else self.headers
-        while time.monotonic() < deadline:
-            with self.client.post(
-                "/result",
-                json={"reference_id": reference_id},
-                headers=headers,
-                name="/result (long poll)" if self.long_poll else "/result",
-                catch_response=True,
-            ) as response:
-                if response.status_code == 202:
-                    response.success()
-                    if not self.long_poll:
-                        gevent.sleep(POLL_INTERVAL_S)
-                    continue
-                if response.status_code != 200:
-                    response.failure(f"result answered {response.status_code}: {response.text[:200]}")
-                    return None
-                body: dict[str, Any] = response.json()
-                if body.get("status") is not True:
-                    response.failure(f"transaction failed: {response.text[:200]}")
-                    return None
-                return body
-        events.request.fire(
-            request_type="POLL",
-            name="/result (not final in time)",
-            response_time=POLL_TIMEOUT_S * 1000,
+    def _failed(self, name: str, error: BaseException) -> None:
+        """A failure no single request shows: a transaction that failed or did not finish in time."""
+        self.environment.events.request.fire(
+            request_type="TRANSACTION",
+            name=name,
+            response_time=0,
             response_length=0,
             response=None,
-            exception=TimeoutError(f"{reference_id} not final after {POLL_TIMEOUT_S}s"),
+            exception=error,
             context={},
         )
+
+    def _wait(self, reference_id: str) -> Result | None:
+        try:
+            return self.api.wait(reference_id, POLL_TIMEOUT_S, long_poll_s=self.long_poll_s)
+        except ResultTimeout as error:
+            self._failed("/result (not final in time)", error)
+        except TransactionFailed as error:
+            self._failed("transaction failed", error)
+        except ApiError:
+            pass  # the transport reported the failed request already
         return None
 
-    def _search(self, photo: Photo, **fields: Any) -> None:
-        payload = {"type": "face_search", "file": photo.data_uri(), **fields}
-        with self.client.post(
-            "/face-search", json=payload, headers=self.headers, name="/face-search", catch_response=True
-        ) as response:
-            if response.status_code != 200:
-                response.failure(f"face-search answered {response.status_code}: {response.text[:200]}")
-                return
-            reference_id = response.json()["result"]["data"]["reference_id"]
-        body = self._poll(reference_id)
-        if body is None:
-            return
-        matches = body["result"]["data"]["face_search_response"]["result"]["matched_faces"]
-        self.proof_urls.extend(url for _, _, url, reference in matches if reference.startswith(KEEP_PREFIX))
+    def _search(self, photo: Photo, **options: Any) -> None:
+        try:
+            reference_id = self.api.submit_face_search(
+                photo.data, as_json=True, filename=photo.name, **options
+            )
+        except ApiError:
+            return  # reported by the transport
+        result = self._wait(reference_id)
+        if isinstance(result, FaceSearchResult):
+            self.proof_urls.extend(
+                match.proof_url for match in result.matches if match.client_reference.startswith(KEEP_PREFIX)
+            )
 
     @task(2)
     def enrol_with_override(self) -> None:
@@ -174,7 +205,7 @@ class FaceSearchUser(HttpUser):
         self._begin_task()
         photo = random.choice(photos()["face"])
         reference = f"load-{photo.stem}-{random.randint(0, 9)}"
-        self._search(photo, client_reference=reference, allow_override=1)
+        self._search(photo, client_reference=reference, allow_override=True)
 
     @task(1)
     def enrol_and_keep(self) -> None:
@@ -193,30 +224,22 @@ class FaceSearchUser(HttpUser):
     def age(self) -> None:
         self._begin_task()
         photo = random.choice(photos()["age"])
-        wait = random.random() < 0.5
-        files = {"file": (photo.name, photo.data, f"image/{photo.subtype}")}
-        data = {"type": "age_estimation", "enroll_face": "0", "wait_for_result": "1" if wait else "0"}
-        with self.client.post(
-            "/age-estimation",
-            data=data,
-            files=files,
-            headers=self.headers,
-            name="/age-estimation",
-            catch_response=True,
-        ) as response:
-            if response.status_code not in (200, 202):
-                response.failure(f"age-estimation answered {response.status_code}: {response.text[:200]}")
-                return
-            body = response.json()
-            if body.get("status") is not True:
-                response.failure(f"transaction failed: {response.text[:200]}")
-                return
-            result = body["result"]["data"]
-            if response.status_code == 200 and wait and "age" not in result:
-                response.failure(f"wait_for_result=1 answered 200 without the age: {response.text[:200]}")
-                return
-        if response.status_code == 202 or not wait:
-            self._poll(result["reference_id"])
+        try:
+            if random.random() < 0.5:
+                answer = self.api.age_estimation(photo.data, enroll_face=False)
+                if isinstance(answer, AgeResult) and "age" not in answer.raw:
+                    self._failed(
+                        "/age-estimation", RuntimeError("wait_for_result=1 answered without the age")
+                    )
+                    return
+                if isinstance(answer, Pending):
+                    self._wait(answer.reference_id)
+            else:
+                self._wait(self.api.submit_age_estimation(photo.data, enroll_face=False))
+        except TransactionFailed as error:
+            self._failed("transaction failed", error)
+        except ApiError:
+            pass  # reported by the transport
 
     @task(1)
     def proof(self) -> None:
@@ -225,14 +248,12 @@ class FaceSearchUser(HttpUser):
             return
         # The URL as issued (it is the credential, and carries the service's own base URL); no
         # Authorization header: proof URLs need none.
-        with self.client.get(
-            self.proof_urls.pop(), name="/get-proof/[token]", catch_response=True
-        ) as response:
-            content_type = response.headers.get("content-type", "")
-            if response.status_code != 200:
-                response.failure(f"proof answered {response.status_code}: {response.text[:200]}")
-            elif not content_type.startswith(("image/jpeg", "image/png")) or not response.content:
-                response.failure(f"proof is not an image: {content_type}, {len(response.content)} bytes")
+        try:
+            image = self.api.proof(self.proof_urls.pop())
+        except ApiError:
+            return  # reported by the transport
+        if not image.startswith((b"\xff\xd8", b"\x89PNG")):
+            self._failed("/get-proof/[token]", RuntimeError(f"proof is not an image ({len(image)} bytes)"))
 
 
 def _stop_when_all_users_stopped(environment: Environment) -> None:

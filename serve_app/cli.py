@@ -4,6 +4,10 @@ facesearch start [--config config/serve.yaml] [--port 8000]
 facesearch clients create NAME | list | revoke CLIENT_ID
 facesearch clients update CLIENT_ID [--min-score X|default] [--max-matches N|default]
 facesearch reconcile
+facesearch enroll FOLDER|CSV [--url URL --client-id ID --client-secret SECRET] [--concurrency N]
+facesearch erase CSV|LIST [--url URL --client-id ID --client-secret SECRET] [--concurrency N]
+  (enroll/erase go through the public API; credentials also from FACESEARCH_URL, FACESEARCH_CLIENT_ID,
+   FACESEARCH_CLIENT_SECRET; with a secret and no id the Client-Secret header is used)
 """
 
 from __future__ import annotations
@@ -165,6 +169,66 @@ async def _reconcile(settings: Settings) -> int:
     return 0
 
 
+def _add_bulk_options(parser: argparse.ArgumentParser, verb: str) -> None:
+    parser.add_argument("source", type=Path)
+    parser.add_argument("--url", default=os.environ.get("FACESEARCH_URL", "http://127.0.0.1:8000"))
+    parser.add_argument("--client-id", default=os.environ.get("FACESEARCH_CLIENT_ID"))
+    parser.add_argument(
+        "--client-secret",
+        default=os.environ.get("FACESEARCH_CLIENT_SECRET"),
+        help="prefer FACESEARCH_CLIENT_SECRET: a command line is visible to every local user",
+    )
+    parser.add_argument("--concurrency", type=int, default=4, help="requests in flight (default 4)")
+    parser.add_argument(
+        "--state", type=Path, help=f"progress file for resuming (default ./<source name>.{verb}-state.jsonl)"
+    )
+    parser.add_argument(
+        "--failures", type=Path, help=f"CSV of failed rows (default ./<source name>.{verb}-failures.csv)"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _bulk(options: argparse.Namespace) -> int:
+    from facesearch_client import AsyncFaceSearchClient, bulk
+
+    verb = options.command
+    if not options.client_secret:
+        print("credentials needed: --client-secret or FACESEARCH_CLIENT_SECRET", file=sys.stderr)
+        return 2
+    if options.concurrency < 1:
+        print("--concurrency must be at least 1", file=sys.stderr)
+        return 2
+    source: Path = options.source
+    try:
+        rows = bulk.enrolment_rows(source) if verb == "enroll" else bulk.erasure_rows(source)
+    except (OSError, ValueError, KeyError) as error:
+        print(f"cannot read {source}: {error}", file=sys.stderr)
+        return 2
+    state = options.state or Path(f"{source.name}.{verb}-state.jsonl")
+    failures = options.failures or Path(f"{source.name}.{verb}-failures.csv")
+
+    async def run() -> bulk.Summary:
+        async with AsyncFaceSearchClient(
+            options.url,
+            options.client_id,
+            options.client_secret,
+            mode="token" if options.client_id else "secret",
+        ) as client:
+            if verb == "enroll":
+                return await bulk.enroll(
+                    client, rows, state, failures, concurrency=options.concurrency,
+                    allow_override=options.allow_override, progress=not options.no_progress,
+                )  # fmt: skip
+            return await bulk.erase(
+                client, rows, state, failures, concurrency=options.concurrency,
+                progress=not options.no_progress,
+            )  # fmt: skip
+
+    summary = asyncio.run(run())
+    print(json.dumps(dataclasses.asdict(summary)))
+    return 0 if summary.failed == 0 else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="facesearch", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -194,7 +258,21 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser(
         "reconcile", help="repair faces present in only one of Redis and Milvus; sweep orphaned blobs"
     )
+    enroll_parser = commands.add_parser(
+        "enroll",
+        help="enrol a folder of photos (client_reference = file name stem) or a CSV path,client_reference",
+    )
+    _add_bulk_options(enroll_parser, "enroll")
+    enroll_parser.add_argument(
+        "--allow-override", action="store_true", help="replace the image enrolled earlier under the reference"
+    )
+    erase_parser = commands.add_parser(
+        "erase", help="erase client_references (a CSV with a client_reference column, or one per line)"
+    )
+    _add_bulk_options(erase_parser, "erase")
     options = parser.parse_args(argv)
+    if options.command in ("enroll", "erase"):
+        return _bulk(options)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if options.command == "start":
         return start(options.config, options.host, options.port, options.metrics_port)

@@ -1,5 +1,6 @@
-"""The HTTP ingress. It talks only to Redis and the blob store: creating a transaction is persisting it and
-queueing it, so the ingress never waits on a model and never holds work that could be lost."""
+"""The HTTP ingress. It talks to Redis and the blob store (and to Milvus only to remove faces for the
+gallery extension): creating a transaction is persisting it and queueing it, so the ingress never waits on
+a model and never holds work that could be lost."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Small HTTP helpers for tests that drive the running service."""
+"""Small HTTP helpers for tests that drive the running service. The requests are built and sent by
+facesearch_client (the project's client library) with retries off, so a test sees every answer as the
+service gave it; tests of malformed requests use raw httpx instead."""
 
 from __future__ import annotations
 
@@ -8,6 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from facesearch_client import FaceSearchClient, RetryPolicy, calls
+
+NO_RETRIES = RetryPolicy(max_retries=0)
 
 
 def data_uri(path: Path) -> str:
@@ -19,22 +25,21 @@ def auth(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
+def client_for(http: httpx.Client, token: str) -> FaceSearchClient:
+    """The client library over the test's own httpx.Client, with this access token and no retries."""
+    return FaceSearchClient(token=token, http=http, retry=NO_RETRIES)
+
+
 def face_search_json(http: httpx.Client, token: str, path: Path, **fields: Any) -> httpx.Response:
-    return http.post(
-        "/face-search", headers=auth(token), json={"type": "face_search", "file": data_uri(path), **fields}
-    )
+    return client_for(http, token).send(calls.face_search(path, as_json=True, extra=fields))
 
 
 def face_search_multipart(http: httpx.Client, token: str, path: Path, **fields: Any) -> httpx.Response:
-    files = {"file": (path.name, path.read_bytes(), "application/octet-stream")}
-    data = {"type": "face_search", **{key: str(value) for key, value in fields.items()}}
-    return http.post("/face-search", headers=auth(token), data=data, files=files)
+    return client_for(http, token).send(calls.face_search(path, extra=fields))
 
 
 def age_estimation(http: httpx.Client, token: str, path: Path, **fields: Any) -> httpx.Response:
-    files = {"file": (path.name, path.read_bytes(), "application/octet-stream")}
-    data = {"type": "age_estimation", **{key: str(value) for key, value in fields.items()}}
-    return http.post("/age-estimation", headers=auth(token), data=data, files=files)
+    return client_for(http, token).send(calls.age_estimation(path, extra=fields))
 
 
 def reference_of(response: httpx.Response) -> str:
@@ -46,9 +51,10 @@ def reference_of(response: httpx.Response) -> str:
 
 def wait_result(http: httpx.Client, token: str, reference_id: str, timeout_s: float = 120) -> dict[str, Any]:
     """Poll /result until it is final (200); 202 means not final yet."""
+    client = client_for(http, token)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        response = http.post("/result", headers=auth(token), json={"reference_id": reference_id})
+        response = client.send(calls.result(reference_id))
         if response.status_code == 200:
             body: dict[str, Any] = response.json()
             return body

@@ -1,0 +1,190 @@
+"""The synchronous client."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from facesearch_client import calls
+from facesearch_client._policy import RetryPolicy, Session, outcome
+from facesearch_client.calls import Call, Image
+from facesearch_client.errors import ResultTimeout
+from facesearch_client.models import (
+    AgeResult,
+    AuditPage,
+    Erasure,
+    FaceSearchResult,
+    GalleryFace,
+    GalleryPage,
+    GalleryStats,
+    Pending,
+    Result,
+    parse_audit_page,
+    parse_gallery_page,
+    parse_result,
+)
+
+
+class FaceSearchClient:
+    """client = FaceSearchClient("http://127.0.0.1:8000", client_id, client_secret)
+    result = client.search("selfie.jpg", client_reference="customer-1")  # FaceSearchResult
+
+    mode="secret" sends the Client-Secret header instead of logging in. `http` may be an httpx.Client of
+    your own (its base_url is used; event hooks, limits and transports stay yours)."""
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        client_id: str | None = None,
+        client_secret: str | None = None,
+        *,
+        mode: str = "token",
+        token: str | None = None,
+        retry: RetryPolicy | None = None,
+        timeout_s: float = 60.0,
+        http: httpx.Client | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Any = time.sleep,
+    ) -> None:
+        self.session = Session(client_id, client_secret, mode, token, clock=clock)
+        self.retry = retry or RetryPolicy()
+        self._owns_http = http is None
+        self._http = http if http is not None else httpx.Client(base_url=base_url or "", timeout=timeout_s)
+        self._sleep = sleep
+
+    def __enter__(self) -> FaceSearchClient:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._owns_http:
+            self._http.close()
+
+    # -- transport ---------------------------------------------------------------------------------------
+
+    def _attempts(self, call: Call, headers: dict[str, str]) -> httpx.Response:
+        retries = 0
+        while True:
+            response = self._http.request(
+                call.method,
+                call.path,
+                json=call.json,
+                data=call.data,
+                files=call.files,
+                params=call.params,
+                headers={**call.headers, **headers},
+            )
+            delay = self.retry.delay(response, retries)
+            if delay is None:
+                return response
+            retries += 1
+            self._sleep(delay)
+
+    def login(self) -> None:
+        self.session.accept_login(self._attempts(self.session.login_call(), {}))
+
+    def send(self, call: Call) -> httpx.Response:
+        """One call with credentials, retried on 429/503 as the RetryPolicy says, with one fresh login
+        after a 401. Returns the final response whatever its status."""
+        if not call.authenticated:
+            return self._attempts(call, {})
+        if self.session.needs_login():
+            self.login()
+        response = self._attempts(call, self.session.headers())
+        if response.status_code == 401 and self.session.can_login:
+            self.session.forget_token()
+            self.login()
+            response = self._attempts(call, self.session.headers())
+        return response
+
+    def _data(self, call: Call) -> dict[str, Any]:
+        return calls.data_of(self.send(call))
+
+    # -- the interface -----------------------------------------------------------------------------------
+
+    def submit_face_search(self, image: Image, **options: Any) -> str:
+        """Create a face search transaction; its reference_id. Options: client_reference, allow_override,
+        enroll_face, as_json, filename (calls.face_search)."""
+        return str(self._data(calls.face_search(image, **options))["reference_id"])
+
+    def submit_age_estimation(self, image: Image, *, enroll_face: bool | None = None) -> str:
+        return str(self._data(calls.age_estimation(image, enroll_face=enroll_face))["reference_id"])
+
+    def age_estimation(self, image: Image, *, enroll_face: bool | None = None) -> AgeResult | Pending:
+        """wait_for_result=1: the age in the same request, or Pending when it was not final in time."""
+        answer = outcome(
+            self.send(calls.age_estimation(image, enroll_face=enroll_face, wait_for_result=True))
+        )
+        assert not isinstance(answer, FaceSearchResult)
+        return answer
+
+    def result(self, reference_id: str, wait_s: float | None = None) -> Result | Pending:
+        return outcome(self.send(calls.result(reference_id, wait_s)))
+
+    def wait(self, reference_id: str, timeout_s: float = 120.0, long_poll_s: float | None = 10.0) -> Result:
+        """The final result: long polls of up to long_poll_s each (None: short polls backing off from
+        50 to 400 ms). ResultTimeout after timeout_s; TransactionFailed for a failed transaction."""
+        deadline = time.monotonic() + timeout_s
+        interval = 0.05
+        while True:
+            left = deadline - time.monotonic()
+            wait_s = min(long_poll_s, max(1.0, left)) if long_poll_s else None
+            answer = self.result(reference_id, wait_s)
+            if not isinstance(answer, Pending):
+                return answer
+            if time.monotonic() >= deadline:
+                raise ResultTimeout(f"transaction {reference_id} not final after {timeout_s:g} s")
+            if long_poll_s is None:
+                self._sleep(interval)
+                interval = min(0.4, interval * 1.5)
+
+    def search(self, image: Image, timeout_s: float = 120.0, **options: Any) -> FaceSearchResult:
+        answer = self.wait(self.submit_face_search(image, **options), timeout_s)
+        assert isinstance(answer, FaceSearchResult)
+        return answer
+
+    def proof(self, url: str) -> bytes:
+        """The proof image behind a proof URL (the URL is its own credential)."""
+        response = self._http.get(url)
+        if response.status_code != 200:
+            raise calls.error_of(response)
+        return response.content
+
+    # -- gallery management (extension) ------------------------------------------------------------------
+
+    def list_faces(
+        self, client_reference: str | None = None, limit: int | None = None, cursor: str | None = None
+    ) -> GalleryPage:
+        return parse_gallery_page(self._data(calls.list_faces(client_reference, limit, cursor)))
+
+    def iter_faces(self, client_reference: str | None = None, page_size: int = 200) -> Iterator[GalleryFace]:
+        cursor: str | None = None
+        while True:
+            page = self.list_faces(client_reference, page_size, cursor)
+            yield from page.faces
+            if page.next_cursor is None:
+                return
+            cursor = page.next_cursor
+
+    def delete_face(self, face_id: str) -> None:
+        self._data(calls.delete_face(face_id))
+
+    def erase(self, client_reference: str) -> Erasure:
+        return Erasure(**self._data(calls.erase(client_reference)))
+
+    def gallery_stats(self) -> GalleryStats:
+        return GalleryStats(**self._data(calls.gallery_stats()))
+
+    def audit(self, limit: int | None = None, cursor: str | None = None) -> AuditPage:
+        return parse_audit_page(self._data(calls.audit(limit, cursor)))
+
+
+__all__ = ["FaceSearchClient", "parse_result"]
