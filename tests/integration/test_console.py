@@ -18,7 +18,7 @@ from playwright.sync_api import Browser, Page, sync_playwright
 
 from serve_app.api.console import CONSOLE_DIR
 from tests.faces_dev import REPO_ROOT, FacesDev, LabelledImage
-from tests.integration.api_client import auth, face_search_multipart, reference_of, wait_result
+from tests.integration.api_client import client_for, face_search_multipart, reference_of, wait_result
 from tests.service_harness import Client, RunningService
 
 pytestmark = pytest.mark.service
@@ -274,9 +274,8 @@ def enrol(service: RunningService, token: str, photo: Path, reference: str) -> N
 
 def gallery_face_ids(service: RunningService, token: str, reference: str) -> list[str]:
     with service.http() as http:
-        response = http.get("/gallery/faces", headers=auth(token), params={"client_reference": reference})
-    assert response.status_code == 200, response.text
-    return [face["face_id"] for face in response.json()["result"]["data"]["faces"]]
+        page = client_for(http, token).list_faces(client_reference=reference)
+    return [face.face_id for face in page.faces]
 
 
 def test_gallery_browse_delete_and_erase(
