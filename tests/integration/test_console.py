@@ -284,7 +284,8 @@ def test_gallery_browse_delete_and_erase(
     client: Client = new_client(service, "console-gallery")
     token = service.token_for(client)
     people = [photos for photos in faces_dev.by_identity().values() if len(photos) >= 3]
-    erased, kept = "console-erase-me", "console-keep-me"
+    # The kept reference holds markup: the console must show it as text.
+    erased, kept = "console-erase-me", '<b class="x">keep</b> me'
     for photo in people[0][:3]:
         enrol(service, token, photo.path, erased)
     enrol(service, token, people[1][0].path, kept)
@@ -355,4 +356,25 @@ def test_gallery_browse_delete_and_erase(
     assert actions == [["erase_reference", "2"], ["delete_face", "1"]], actions
     assert erased not in (page.text_content("#audit") or "")  # a keyed hash, not the reference
     console.screenshot("05-after-erase.png")
+    # A reference holding markup is shown as text.
+    page.fill("#filter-reference", kept)
+    page.click("#gallery-load")
+    page.wait_for_function("() => document.querySelectorAll('#faces tbody tr').length === 1")
+    assert page.text_content("#faces .reference") == kept
+    assert page.locator("#faces b").count() == 0
     console.check_no_foreign_requests()
+
+
+def test_the_browser_enforces_the_policy(console: Console) -> None:
+    """The policy header is in force in the page: an inline script added at run time does not run, and
+    the browser reports the violation."""
+    with console.page.expect_console_message(lambda message: "Content Security Policy" in message.text):
+        ran = console.page.evaluate(
+            """() => {
+                const script = document.createElement("script");
+                script.textContent = "window.inlineRan = true;";
+                document.head.append(script);
+                return window.inlineRan === true;
+            }"""
+        )
+    assert ran is False
