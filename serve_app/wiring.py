@@ -20,7 +20,7 @@ from serve_app.pipelines.transactions import TransactionService
 from serve_app.pipelines.worker import QueueWorker, WorkerPolicy
 from serve_app.settings import Settings
 from serve_app.stores.blobs import LocalBlobStore
-from serve_app.stores.milvus_gallery import MilvusGalleryStore
+from serve_app.stores.milvus_gallery import IndexPolicy, MilvusGalleryStore
 from serve_app.stores.redis_clients import RedisClientStore
 from serve_app.stores.redis_ratelimit import RedisRateLimiter
 from serve_app.stores.redis_records import RedisFaceRecordStore
@@ -64,6 +64,12 @@ def gallery_store(settings: Settings) -> MilvusGalleryStore:
         token=settings.milvus_token,
         model_version=MODEL_VERSION,
         dimension=FUSED_DIM,
+        index_policy=IndexPolicy(
+            flat_max_rows=settings.milvus_flat_max_rows,
+            large_index=settings.milvus_large_index,
+            build_params=settings.milvus_index_params,
+            search_params=settings.milvus_search_params,
+        ),
     )
 
 

@@ -1,0 +1,47 @@
+"""The Milvus index policy's settings: parsed from the environment, refused when malformed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from serve_app.settings import Settings
+from serve_app.stores.milvus_gallery import IndexPolicy
+
+
+def test_index_policy_settings_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("FACESEARCH_DATA_DIR", str(tmp_path))
+    defaults = Settings.from_env()
+    assert defaults.milvus_flat_max_rows == Settings.milvus_flat_max_rows
+    assert (defaults.milvus_large_index, defaults.milvus_index_params, defaults.milvus_search_params) == (
+        "",
+        {},
+        {},
+    )
+    monkeypatch.setenv("FACESEARCH_MILVUS_FLAT_MAX_ROWS", "5000")
+    monkeypatch.setenv("FACESEARCH_MILVUS_LARGE_INDEX", "hnsw")
+    monkeypatch.setenv("FACESEARCH_MILVUS_INDEX_PARAMS", '{"M": 32, "efConstruction": 300}')
+    monkeypatch.setenv("FACESEARCH_MILVUS_SEARCH_PARAMS", '{"ef": 256}')
+    settings = Settings.from_env()
+    assert settings.milvus_flat_max_rows == 5000
+    assert settings.milvus_large_index == "HNSW"
+    assert settings.milvus_index_params == {"M": 32, "efConstruction": 300}
+    assert settings.milvus_search_params == {"ef": 256}
+
+
+@pytest.mark.parametrize("raw", ["nprobe=4", "[4]", '{"nprobe": "4"}', '{"nprobe": true}'])
+def test_malformed_search_params_stop_start_up(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, raw: str
+) -> None:
+    monkeypatch.setenv("FACESEARCH_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("FACESEARCH_MILVUS_SEARCH_PARAMS", raw)
+    with pytest.raises(RuntimeError, match="FACESEARCH_MILVUS_SEARCH_PARAMS"):
+        Settings.from_env()
+
+
+def test_index_policy_refuses_unknown_index_and_negative_threshold() -> None:
+    with pytest.raises(ValueError, match="large_index"):
+        IndexPolicy(flat_max_rows=10, large_index="DISKANN")
+    with pytest.raises(ValueError, match="flat_max_rows"):
+        IndexPolicy(flat_max_rows=-1)
