@@ -4,6 +4,7 @@ facesearch start [--config config/serve.yaml] [--port 8000]
 facesearch clients create NAME | list | revoke CLIENT_ID
 facesearch clients update CLIENT_ID [--min-score X|default] [--max-matches N|default]
 facesearch reconcile
+facesearch reindex --tenant CLIENT_ID [--state FILE]
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +167,67 @@ async def _reconcile(settings: Settings) -> int:
     return 0
 
 
+class _Progress:
+    """A one-line progress bar on stderr: done/total, rate and time left."""
+
+    def __init__(self, total: int, label: str) -> None:
+        self._total, self._label, self._done = total, label, 0
+        self._started = time.monotonic()
+        self._draw()
+
+    def tick(self) -> None:
+        self._done += 1
+        self._draw()
+
+    def _draw(self) -> None:
+        width = 30
+        filled = width * self._done // self._total if self._total else width
+        elapsed = max(time.monotonic() - self._started, 1e-9)
+        rate = self._done / elapsed
+        left = (self._total - self._done) / rate if rate > 0 else 0.0
+        sys.stderr.write(
+            f"\r{self._label} [{'#' * filled}{'.' * (width - filled)}] {self._done}/{self._total}"
+            f" {rate:.1f}/s, {left:.0f} s left"
+        )
+        if self._done >= self._total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+async def _reindex(settings: Settings, tenant_id: str, state_path: Path | None) -> int:
+    from models.analyzer import ModelConfig, load_face_analyzer
+    from models.embedder import MODEL_VERSION
+    from serve_app.pipelines.analysis import LocalAnalysis
+    from serve_app.pipelines.reindex import ImageLimits, ReindexState, reindex_tenant
+    from serve_app.stores.blobs import LocalBlobStore
+    from serve_app.wiring import gallery_store, redis_stores
+
+    stores = redis_stores(settings)
+    gallery = gallery_store(settings)
+    state = ReindexState.load(
+        state_path or settings.data_dir / "reindex" / f"{tenant_id}-{MODEL_VERSION}.json"
+    )
+    total = await stores.records.count(tenant_id)
+    analysis = LocalAnalysis(await asyncio.to_thread(load_face_analyzer, ModelConfig()))
+    progress = _Progress(total, f"reindex {tenant_id}")
+    try:
+        report = await reindex_tenant(
+            tenant_id,
+            records=stores.records,
+            gallery=gallery,
+            blobs=LocalBlobStore(settings.blob_dir),
+            analysis=analysis,
+            model_version=MODEL_VERSION,
+            limits=ImageLimits(settings.max_image_pixels, settings.analysis_max_side),
+            state=state,
+            on_face=progress.tick,
+        )
+    finally:
+        await gallery.close()
+    print(json.dumps(dataclasses.asdict(report)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="facesearch", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -194,6 +257,19 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser(
         "reconcile", help="repair faces present in only one of Redis and Milvus; sweep orphaned blobs"
     )
+    reindex_parser = commands.add_parser(
+        "reindex",
+        help="re-embed a tenant's enrolled faces (their stored proof images) with the current face model; "
+        "resumable",
+    )
+    reindex_parser.add_argument("--tenant", required=True, help="the tenant's client id")
+    reindex_parser.add_argument(
+        "--state",
+        type=Path,
+        default=None,
+        help="file listing faces that could not be re-indexed "
+        "(default: $FACESEARCH_DATA_DIR/reindex/<tenant>-<model version>.json)",
+    )
     options = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if options.command == "start":
@@ -205,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(
             _clients(settings, options.action, options.value, options.min_score, options.max_matches)
         )
+    if options.command == "reindex":
+        return asyncio.run(_reindex(settings, options.tenant, options.state))
     return asyncio.run(_reconcile(settings))
 
 
