@@ -80,6 +80,10 @@ class Settings:
     model_call_timeout_s: float = 10.0  # one analysis call; a hung model call must not pin a worker slot
     transaction_retention_s: int = 30 * 24 * 3600  # final transactions expire after this; 0 keeps them
     orphan_upload_grace_s: int = 3600  # unreferenced blobs older than this are swept by reconciliation
+    # Replicas that must hold a new transaction before its reference_id is returned (Redis WAIT), and how
+    # long to wait for them; None: 1 with a redis+sentinel:// URL (a replica exists), else 0.
+    redis_wait_replicas: int | None = None
+    redis_wait_timeout_ms: int = 1000
     # Milvus index policy: exact FLAT search up to this many vectors per collection, then the large index.
     milvus_flat_max_rows: int = 200_000
     milvus_large_index: str = ""  # IVF_FLAT or HNSW; "": HNSW on a Milvus server, IVF_FLAT on milvus-lite
@@ -131,6 +135,12 @@ class Settings:
             ),
             orphan_upload_grace_s=_env_int("FACESEARCH_ORPHAN_UPLOAD_GRACE_S", cls.orphan_upload_grace_s),
             model_call_timeout_s=_env_float("FACESEARCH_MODEL_CALL_TIMEOUT_S", cls.model_call_timeout_s),
+            redis_wait_replicas=(
+                _env_int("FACESEARCH_REDIS_WAIT_REPLICAS", 0)
+                if os.environ.get("FACESEARCH_REDIS_WAIT_REPLICAS")
+                else None
+            ),
+            redis_wait_timeout_ms=_env_int("FACESEARCH_REDIS_WAIT_TIMEOUT_MS", cls.redis_wait_timeout_ms),
             milvus_flat_max_rows=_env_int("FACESEARCH_MILVUS_FLAT_MAX_ROWS", cls.milvus_flat_max_rows),
             milvus_large_index=os.environ.get("FACESEARCH_MILVUS_LARGE_INDEX", "").upper(),
             milvus_index_params=_env_numbers("FACESEARCH_MILVUS_INDEX_PARAMS"),
@@ -138,6 +148,14 @@ class Settings:
             key_prefix=os.environ.get("FACESEARCH_KEY_PREFIX", "fs:"),
             blob_dir=Path(os.environ.get("FACESEARCH_BLOB_DIR") or data_dir / "blobs"),
         )
+
+
+def wait_replicas(settings: Settings) -> int:
+    """Replicas a new transaction must reach (see Settings.redis_wait_replicas)."""
+    if settings.redis_wait_replicas is not None:
+        return settings.redis_wait_replicas
+    scheme = (settings.redis_url or "").split("://", 1)[0]
+    return 1 if scheme.endswith("+sentinel") else 0
 
 
 def _development_secret(data_dir: Path) -> str:

@@ -18,7 +18,7 @@ from serve_app.pipelines.processing import ProcessingPolicy, TransactionProcesso
 from serve_app.pipelines.proofs import ProofService
 from serve_app.pipelines.transactions import TransactionService
 from serve_app.pipelines.worker import QueueWorker, WorkerPolicy
-from serve_app.settings import Settings
+from serve_app.settings import Settings, wait_replicas
 from serve_app.stores.blobs import LocalBlobStore
 from serve_app.stores.milvus_gallery import IndexPolicy, MilvusGalleryStore
 from serve_app.stores.redis_clients import RedisClientStore
@@ -50,7 +50,11 @@ def redis_stores(settings: Settings) -> RedisStores:
     prefix = settings.key_prefix
     return RedisStores(
         transactions=RedisTransactionStore(
-            redis, prefix=prefix, finished_ttl_s=settings.transaction_retention_s or None
+            redis,
+            prefix=prefix,
+            finished_ttl_s=settings.transaction_retention_s or None,
+            replicas=wait_replicas(settings),
+            replica_timeout_ms=settings.redis_wait_timeout_ms,
         ),
         records=RedisFaceRecordStore(redis, prefix=prefix),
         clients=RedisClientStore(redis, pepper=settings.secret_key, prefix=prefix),

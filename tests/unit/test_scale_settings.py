@@ -1,4 +1,4 @@
-"""The Milvus index policy's settings: parsed from the environment, refused when malformed."""
+"""Settings of issue 12 (Milvus index policy, Redis replication wait): parsed from the environment."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from serve_app.settings import Settings
+from serve_app.settings import Settings, wait_replicas
 from serve_app.stores.milvus_gallery import IndexPolicy
 
 
@@ -45,3 +45,23 @@ def test_index_policy_refuses_unknown_index_and_negative_threshold() -> None:
         IndexPolicy(flat_max_rows=10, large_index="DISKANN")
     with pytest.raises(ValueError, match="flat_max_rows"):
         IndexPolicy(flat_max_rows=-1)
+
+
+@pytest.mark.parametrize(
+    ("url", "configured", "expected"),
+    [
+        ("redis://:pw@127.0.0.1:6379/0", None, 0),
+        ("redis+sentinel://:pw@127.0.0.1:26379,127.0.0.1:26380/facesearch", None, 1),
+        ("rediss+sentinel://:pw@127.0.0.1:26379/facesearch", None, 1),
+        ("redis+sentinel://:pw@127.0.0.1:26379/facesearch", "0", 0),  # an explicit choice wins
+        ("redis://:pw@127.0.0.1:6379/0", "2", 2),
+    ],
+)
+def test_wait_replicas_default_follows_the_redis_url(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, url: str, configured: str | None, expected: int
+) -> None:
+    monkeypatch.setenv("FACESEARCH_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("REDIS_URL", url)
+    if configured is not None:
+        monkeypatch.setenv("FACESEARCH_REDIS_WAIT_REPLICAS", configured)
+    assert wait_replicas(Settings.from_env()) == expected
