@@ -11,9 +11,10 @@ enrolled people, half of each tenant. Exact top 10 is computed in numpy chunk by
 the bench never holds the whole gallery in memory (10 M x 256 floats is 10 GB).
 
 Inserts go through MilvusGalleryStore (the service's code path) under exact FLAT search; unless
---skip-flat the queries are timed on it. Then a store with the service's index policy opens the
-collection, finds it past --flat-max-rows and switches it to IVF_FLAT (milvus-lite's large index), as the
-insert crossing the threshold would; the queries are timed again once per --nprobe value. Searches run one
+--skip-flat the queries are timed on it. Then a store with an index policy naming IVF_FLAT (the service's
+default keeps FLAT on milvus-lite, whose IVF_FLAT ignores nprobe) opens the collection, finds it past
+--flat-max-rows and switches it, as the insert crossing the threshold would; the queries are timed again
+once per --nprobe value. Searches run one
 at a time, as the worker does, after 10 untimed warm-up queries. Memory: the RSS of the milvus-lite server
 process (with FLAT, then with IVF_FLAT) and the size of its data directory. One server per size. Cores
 may be shared: compare rows of one run.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import statistics
 import tempfile
 import time
@@ -174,7 +176,8 @@ async def bench_size(
     finally:
         await store.close()
 
-    policy = IndexPolicy(flat_max_rows=min(args.flat_max_rows, size - 1))
+    # IVF_FLAT named explicitly: the service's default keeps FLAT on milvus-lite (see IndexPolicy).
+    policy = IndexPolicy(flat_max_rows=min(args.flat_max_rows, size - 1), large_index="IVF_FLAT")
     switched = MilvusGalleryStore(
         server.uri,
         collection=collection,
@@ -191,7 +194,7 @@ async def bench_size(
     for nprobe in args.nprobe:
         tuned = MilvusGalleryStore(
             server.uri, collection=collection, model_version="bench", dimension=DIM, timeout_s=600,
-            index_policy=IndexPolicy(flat_max_rows=policy.flat_max_rows, search_params={"nprobe": nprobe}),
+            index_policy=dataclasses.replace(policy, search_params={"nprobe": nprobe}),
         )  # fmt: skip
         try:
             for query in queries:

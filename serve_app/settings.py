@@ -86,7 +86,7 @@ class Settings:
     redis_wait_timeout_ms: int = 1000
     # Milvus index policy: exact FLAT search up to this many vectors per collection, then the large index.
     milvus_flat_max_rows: int = 200_000
-    milvus_large_index: str = ""  # IVF_FLAT or HNSW; "": HNSW on a Milvus server, IVF_FLAT on milvus-lite
+    milvus_large_index: str = ""  # IVF_FLAT or HNSW; "": HNSW on a Milvus server, FLAT kept on milvus-lite
     milvus_index_params: dict[str, int | float] = field(default_factory=dict)  # e.g. {"nlist": 2048}
     milvus_search_params: dict[str, int | float] = field(default_factory=dict)  # e.g. {"nprobe": 48}
     key_prefix: str = "fs:"
