@@ -147,6 +147,7 @@ class MilvusGalleryStore:
         self._partitioned = False  # whether the collection's tenant_id is its partition key
         self._lite: bool | None = None  # milvus-lite (no partitions, no HNSW); probed when first needed
         self._rows_seen = 0  # rows counted at preparation plus rows this store added: when to recount
+        self._stays_flat = False  # the policy keeps FLAT past its threshold (milvus-lite): never recount
         self._client: Any = None
         self._init_lock = threading.Lock()  # a thread lock: initialisation runs in worker threads
 
@@ -292,6 +293,9 @@ class MilvusGalleryStore:
         """Switch a FLAT collection past the policy's threshold to its approximate index."""
         wanted = self._wanted_index(client, rows)
         if wanted == "FLAT":
+            # Past the threshold and still FLAT (milvus-lite's default): no switch will ever be due, so
+            # inserts stop recounting the collection.
+            self._stays_flat = self._policy is not None and rows > self._policy.flat_max_rows
             return
         current = client.describe_index(self._collection, "embedding", timeout=self._timeout_s) or {}
         if current.get("index_type") not in (None, "", "FLAT"):
@@ -344,7 +348,8 @@ class MilvusGalleryStore:
                 client.upsert(self._collection, rows[start : start + _BATCH], timeout=self._timeout_s)
             self._rows_seen += len(rows)  # an upsert may replace rows: an upper bound, recounted below
             policy = self._policy
-            if policy is not None and self._index_type == "FLAT" and self._rows_seen > policy.flat_max_rows:
+            due = policy is not None and self._rows_seen > policy.flat_max_rows
+            if due and self._index_type == "FLAT" and not self._stays_flat:
                 with self._init_lock:  # one switch per process at a time
                     self._rows_seen = self._count(client)
                     self._apply_policy(client, self._rows_seen)
