@@ -8,6 +8,7 @@ facesearch enroll FOLDER|CSV [--url URL --client-id ID --client-secret SECRET] [
 facesearch erase CSV|LIST [--url URL --client-id ID --client-secret SECRET] [--concurrency N]
   (enroll/erase go through the public API; credentials also from FACESEARCH_URL, FACESEARCH_CLIENT_ID,
    FACESEARCH_CLIENT_SECRET; with a secret and no id the Client-Secret header is used)
+facesearch reindex --tenant CLIENT_ID [--state FILE]
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -229,6 +231,43 @@ def _bulk(options: argparse.Namespace) -> int:
     return 0 if summary.failed == 0 else 1
 
 
+async def _reindex(settings: Settings, tenant_id: str, state_path: Path | None) -> int:
+    from tqdm import tqdm
+
+    from models.analyzer import ModelConfig, load_face_analyzer
+    from models.embedder import MODEL_VERSION
+    from serve_app.pipelines.analysis import LocalAnalysis
+    from serve_app.pipelines.reindex import ImageLimits, ReindexState, reindex_tenant
+    from serve_app.stores.blobs import LocalBlobStore
+    from serve_app.wiring import gallery_store, redis_stores
+
+    stores = redis_stores(settings)
+    gallery = gallery_store(settings)
+    state = ReindexState.load(
+        state_path or settings.data_dir / "reindex" / f"{tenant_id}-{MODEL_VERSION}.json"
+    )
+    total = await stores.records.count(tenant_id)
+    analysis = LocalAnalysis(await asyncio.to_thread(load_face_analyzer, ModelConfig()))
+    progress = tqdm(total=total, desc=f"reindex {tenant_id}", unit="face")
+    try:
+        report = await reindex_tenant(
+            tenant_id,
+            records=stores.records,
+            gallery=gallery,
+            blobs=LocalBlobStore(settings.blob_dir),
+            analysis=analysis,
+            model_version=MODEL_VERSION,
+            limits=ImageLimits(settings.max_image_pixels, settings.analysis_max_side),
+            state=state,
+            on_face=progress.update,
+        )
+    finally:
+        progress.close()
+        await gallery.close()
+    print(json.dumps(dataclasses.asdict(report)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="facesearch", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -270,6 +309,19 @@ def main(argv: list[str] | None = None) -> int:
         "erase", help="erase client_references (a CSV with a client_reference column, or one per line)"
     )
     _add_bulk_options(erase_parser, "erase")
+    reindex_parser = commands.add_parser(
+        "reindex",
+        help="re-embed a tenant's enrolled faces (their stored proof images) with the current face model; "
+        "resumable",
+    )
+    reindex_parser.add_argument("--tenant", required=True, help="the tenant's client id")
+    reindex_parser.add_argument(
+        "--state",
+        type=Path,
+        default=None,
+        help="file listing faces that could not be re-indexed "
+        "(default: $FACESEARCH_DATA_DIR/reindex/<tenant>-<model version>.json)",
+    )
     options = parser.parse_args(argv)
     if options.command in ("enroll", "erase"):
         return _bulk(options)
@@ -283,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(
             _clients(settings, options.action, options.value, options.min_score, options.max_matches)
         )
+    if options.command == "reindex":
+        return asyncio.run(_reindex(settings, options.tenant, options.state))
     return asyncio.run(_reconcile(settings))
 
 

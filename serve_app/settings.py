@@ -7,6 +7,7 @@ the Serve config pass the same environment to all of them.
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import secrets
 from dataclasses import dataclass, field
@@ -33,6 +34,20 @@ def _env_networks(name: str) -> tuple[str, ...]:
             except ValueError:
                 raise RuntimeError(f"{name}: {item.strip()!r} is not an IP address or CIDR") from None
     return tuple(networks)
+
+
+def _env_numbers(name: str) -> dict[str, int | float]:
+    """A JSON object of numbers, e.g. {"nprobe": 48}; anything else stops start-up."""
+    raw = os.environ.get(name) or "{}"
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        raise RuntimeError(f"{name}: not JSON: {raw!r}") from None
+    if not isinstance(value, dict) or not all(
+        isinstance(v, int | float) and not isinstance(v, bool) for v in value.values()
+    ):
+        raise RuntimeError(f"{name}: expected a JSON object of numbers, got {raw!r}")
+    return {str(key): number for key, number in value.items()}
 
 
 @dataclass(frozen=True)
@@ -65,6 +80,15 @@ class Settings:
     model_call_timeout_s: float = 10.0  # one analysis call; a hung model call must not pin a worker slot
     transaction_retention_s: int = 30 * 24 * 3600  # final transactions expire after this; 0 keeps them
     orphan_upload_grace_s: int = 3600  # unreferenced blobs older than this are swept by reconciliation
+    # Replicas that must hold a new transaction before its reference_id is returned (Redis WAIT), and how
+    # long to wait for them; None: 1 with a redis+sentinel:// URL (a replica exists), else 0.
+    redis_wait_replicas: int | None = None
+    redis_wait_timeout_ms: int = 1000
+    # Milvus index policy: exact FLAT search up to this many vectors per collection, then the large index.
+    milvus_flat_max_rows: int = 200_000
+    milvus_large_index: str = ""  # IVF_FLAT or HNSW; "": HNSW on a Milvus server, FLAT kept on milvus-lite
+    milvus_index_params: dict[str, int | float] = field(default_factory=dict)  # e.g. {"nlist": 2048}
+    milvus_search_params: dict[str, int | float] = field(default_factory=dict)  # e.g. {"nprobe": 48}
     key_prefix: str = "fs:"
     blob_dir: Path = field(default_factory=lambda: Path("var/blobs"))
 
@@ -111,9 +135,27 @@ class Settings:
             ),
             orphan_upload_grace_s=_env_int("FACESEARCH_ORPHAN_UPLOAD_GRACE_S", cls.orphan_upload_grace_s),
             model_call_timeout_s=_env_float("FACESEARCH_MODEL_CALL_TIMEOUT_S", cls.model_call_timeout_s),
+            redis_wait_replicas=(
+                _env_int("FACESEARCH_REDIS_WAIT_REPLICAS", 0)
+                if os.environ.get("FACESEARCH_REDIS_WAIT_REPLICAS")
+                else None
+            ),
+            redis_wait_timeout_ms=_env_int("FACESEARCH_REDIS_WAIT_TIMEOUT_MS", cls.redis_wait_timeout_ms),
+            milvus_flat_max_rows=_env_int("FACESEARCH_MILVUS_FLAT_MAX_ROWS", cls.milvus_flat_max_rows),
+            milvus_large_index=os.environ.get("FACESEARCH_MILVUS_LARGE_INDEX", "").upper(),
+            milvus_index_params=_env_numbers("FACESEARCH_MILVUS_INDEX_PARAMS"),
+            milvus_search_params=_env_numbers("FACESEARCH_MILVUS_SEARCH_PARAMS"),
             key_prefix=os.environ.get("FACESEARCH_KEY_PREFIX", "fs:"),
             blob_dir=Path(os.environ.get("FACESEARCH_BLOB_DIR") or data_dir / "blobs"),
         )
+
+
+def wait_replicas(settings: Settings) -> int:
+    """Replicas a new transaction must reach (see Settings.redis_wait_replicas)."""
+    if settings.redis_wait_replicas is not None:
+        return settings.redis_wait_replicas
+    scheme = (settings.redis_url or "").split("://", 1)[0]
+    return 1 if scheme.endswith("+sentinel") else 0
 
 
 def _development_secret(data_dir: Path) -> str:

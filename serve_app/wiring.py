@@ -19,9 +19,9 @@ from serve_app.pipelines.processing import ProcessingPolicy, TransactionProcesso
 from serve_app.pipelines.proofs import ProofService
 from serve_app.pipelines.transactions import TransactionService
 from serve_app.pipelines.worker import QueueWorker, WorkerPolicy
-from serve_app.settings import Settings
+from serve_app.settings import Settings, wait_replicas
 from serve_app.stores.blobs import LocalBlobStore
-from serve_app.stores.milvus_gallery import MilvusGalleryStore
+from serve_app.stores.milvus_gallery import IndexPolicy, MilvusGalleryStore
 from serve_app.stores.redis_audit import RedisAuditLog
 from serve_app.stores.redis_clients import RedisClientStore
 from serve_app.stores.redis_ratelimit import RedisRateLimiter
@@ -53,7 +53,11 @@ def redis_stores(settings: Settings) -> RedisStores:
     prefix = settings.key_prefix
     return RedisStores(
         transactions=RedisTransactionStore(
-            redis, prefix=prefix, finished_ttl_s=settings.transaction_retention_s or None
+            redis,
+            prefix=prefix,
+            finished_ttl_s=settings.transaction_retention_s or None,
+            replicas=wait_replicas(settings),
+            replica_timeout_ms=settings.redis_wait_timeout_ms,
         ),
         records=RedisFaceRecordStore(redis, prefix=prefix),
         clients=RedisClientStore(redis, pepper=settings.secret_key, prefix=prefix),
@@ -68,6 +72,12 @@ def gallery_store(settings: Settings) -> MilvusGalleryStore:
         token=settings.milvus_token,
         model_version=MODEL_VERSION,
         dimension=FUSED_DIM,
+        index_policy=IndexPolicy(
+            flat_max_rows=settings.milvus_flat_max_rows,
+            large_index=settings.milvus_large_index,
+            build_params=settings.milvus_index_params,
+            search_params=settings.milvus_search_params,
+        ),
     )
 
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from models.types import AnalyzedFace
+
+if TYPE_CHECKING:
+    from models.analyzer import FaceAnalyzer
 
 
 class FaceAnalysisBackend(Protocol):
@@ -35,3 +38,15 @@ class DeadlineAnalysis:
             )
         except TimeoutError:
             raise ModelCallTimedOut(f"the model call took longer than {self._timeout_s:g} s") from None
+
+
+class LocalAnalysis:
+    """The face models in this process (command-line tools such as `facesearch reindex`), one image at a
+    time in a worker thread so the event loop stays free."""
+
+    def __init__(self, analyzer: FaceAnalyzer) -> None:
+        self._analyzer = analyzer
+
+    async def analyze(self, image: np.ndarray, *, embed: bool, estimate_age: bool) -> list[AnalyzedFace]:
+        faces = await asyncio.to_thread(self._analyzer.analyze, [image], embed, estimate_age)
+        return faces[0]

@@ -13,6 +13,19 @@
   lengths in bytes and refuses longer values, which made a long CJK or emoji reference fail after its
   record was written; keeping one copy in Redis also spares collections created earlier a migration.
 - Every call has a deadline: pymilvus otherwise retries some failures up to 75 times (minutes).
+- Tenant as partition key: a collection created on a Milvus server marks tenant_id as the partition key,
+  so the tenant filter every search carries prunes the search to the partitions holding that tenant
+  (tenants are hashed over the collection's partitions, 16 by default). milvus-lite 2.5.1 has no
+  partitions: it accepts the schema flag but then rejects every filter ("Invalid expr"), so a throwaway
+  probe collection decides once per process, and lite collections keep the plain layout. A collection
+  created before this layout existed (no partition key) is read and written as it is; the README's
+  "Milvus at scale" section gives the migration.
+- Index by size (IndexPolicy): exact FLAT up to `flat_max_rows` rows, then HNSW on a Milvus server
+  (or IVF_FLAT when configured; milvus-lite stays FLAT unless IVF_FLAT is asked for explicitly). The
+  replica whose insert crosses the threshold rebuilds the index (release, drop, create, load);
+  searches meanwhile fail as BackendUnavailable ("not loaded") and are retried.
+  Search parameters carry the keys of every index family, so a replica that has not yet noticed the
+  switch still searches the new index with the configured nprobe / ef.
 """
 
 from __future__ import annotations
@@ -22,7 +35,9 @@ import logging
 import math
 import re
 import threading
-from collections.abc import Callable, Sequence
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
@@ -63,6 +78,45 @@ def _checked_id(value: str, what: str) -> str:
     return value
 
 
+# Build and search parameters of the approximate indexes (Milvus' recommended starting points; tune them
+# with bench/vector_search.py against a Milvus server). A policy's own parameters override these key by key.
+_BUILD_PARAMS: dict[str, dict[str, int]] = {
+    "IVF_FLAT": {"nlist": 1024},
+    "HNSW": {"M": 16, "efConstruction": 200},
+}
+_SEARCH_PARAMS: dict[str, int] = {"nprobe": 32, "ef": 128}
+LARGE_INDEXES = ("IVF_FLAT", "HNSW")
+_TRANSIENT_WORDS = (
+    "connect",
+    "UNAVAILABLE",
+    "DEADLINE",
+    "unavailable",
+    "Retry",
+    "not loaded",
+    "index not found",
+)
+
+
+@dataclass(frozen=True)
+class IndexPolicy:
+    """Exact search up to `flat_max_rows` rows, then the approximate `large_index`.
+
+    large_index: IVF_FLAT or HNSW; "" picks HNSW on a Milvus server and keeps FLAT on milvus-lite (no
+    HNSW there, and its IVF_FLAT ignores nprobe). build_params / search_params override the defaults
+    above, key by key."""
+
+    flat_max_rows: int
+    large_index: str = ""
+    build_params: Mapping[str, int | float] = field(default_factory=dict)
+    search_params: Mapping[str, int | float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.flat_max_rows < 0:
+            raise ValueError("flat_max_rows must not be negative")
+        if self.large_index not in ("", *LARGE_INDEXES):
+            raise ValueError(f"large_index must be one of {LARGE_INDEXES} or empty")
+
+
 class MilvusGalleryStore:
     def __init__(
         self,
@@ -73,15 +127,12 @@ class MilvusGalleryStore:
         model_version: str,
         dimension: int,
         timeout_s: float = 10.0,
-        index_type: str = "FLAT",
-        nlist: int = 1024,
-        nprobe: int = 64,
+        index_policy: IndexPolicy | None = None,
+        partition_key: bool = True,
     ) -> None:
-        """index_type: FLAT (exact; the default, fast enough on milvus-lite up to ~1M faces) or IVF_FLAT
-        (approximate: nlist clusters, nprobe of them searched). The index is chosen when the collection
-        is created; an existing collection keeps its index."""
-        if index_type not in ("FLAT", "IVF_FLAT"):
-            raise ValueError("index_type must be FLAT or IVF_FLAT")
+        """index_policy None: exact FLAT search at any size. partition_key: create new collections with
+        tenant_id as partition key where the server supports it (an existing collection keeps its
+        layout)."""
         if dimension <= 0:
             raise ValueError("dimension must be positive")
         self._uri = uri
@@ -90,9 +141,13 @@ class MilvusGalleryStore:
         self._dimension = dimension
         self._token = token
         self._timeout_s = timeout_s
-        self._index_type = index_type
-        self._nlist = nlist
-        self._nprobe = nprobe
+        self._policy = index_policy
+        self._want_partition_key = partition_key
+        self._index_type = "FLAT"  # the collection's actual index, learnt when it is prepared
+        self._partitioned = False  # whether the collection's tenant_id is its partition key
+        self._lite: bool | None = None  # milvus-lite (no partitions, no HNSW); probed when first needed
+        self._rows_seen = 0  # rows counted at preparation plus rows this store added: when to recount
+        self._stays_flat = False  # the policy keeps FLAT past its threshold (milvus-lite): never recount
         self._client: Any = None
         self._init_lock = threading.Lock()  # a thread lock: initialisation runs in worker threads
 
@@ -118,9 +173,8 @@ class MilvusGalleryStore:
     def _unavailable(error: Exception) -> BackendUnavailable:
         text = str(error)
         transport = type(error).__module__.startswith("grpc") or isinstance(error, OSError)
-        if not transport and not any(
-            word in text for word in ("connect", "UNAVAILABLE", "DEADLINE", "unavailable", "Retry")
-        ):
+        # "not loaded" / "index not found": a collection in the middle of a switch of index (IndexPolicy).
+        if not transport and not any(word in text for word in _TRANSIENT_WORDS):
             # Not a transport failure (a rejected request, a bug): keep the traceback in the log, and let a
             # worker count it as a failed attempt rather than requeue it as an outage forever.
             logger.error("unexpected Milvus error", exc_info=error)
@@ -149,44 +203,133 @@ class MilvusGalleryStore:
             return self._client
 
     def _prepare_collection(self, client: Any) -> None:
-        from pymilvus import DataType
         from pymilvus.exceptions import MilvusException
 
         timeout = self._timeout_s
         if not client.has_collection(self._collection, timeout=timeout):
-            schema = client.create_schema(auto_id=False, enable_dynamic_field=False)
-            schema.add_field("face_id", DataType.VARCHAR, max_length=64, is_primary=True)
-            schema.add_field("tenant_id", DataType.VARCHAR, max_length=64)
-            schema.add_field("model_version", DataType.VARCHAR, max_length=64)
-            schema.add_field("created_at", DataType.INT64)
-            schema.add_field("embedding", DataType.FLOAT_VECTOR, dim=self._dimension)
-            index_params = client.prepare_index_params()
-            params = {"nlist": self._nlist} if self._index_type == "IVF_FLAT" else {}
-            index_params.add_index(
-                field_name="embedding", index_type=self._index_type, metric_type="IP", params=params
-            )
+            partitioned = self._want_partition_key and not self._is_lite(client)
             try:
-                client.create_collection(
-                    self._collection,
-                    schema=schema,
-                    index_params=index_params,
-                    consistency_level="Strong",
-                    timeout=timeout,
-                )
-                logger.info("created Milvus collection %s (%s, IP)", self._collection, self._index_type)
+                self._create_collection(client, self._collection, partitioned=partitioned)
+                logger.info(
+                    "created Milvus collection %s (FLAT, IP, %s)",
+                    self._collection, "tenant partition key" if partitioned else "no partitions",
+                )  # fmt: skip
             except MilvusException:
                 # Another replica may have created it first; anything else re-raises below.
                 if not client.has_collection(self._collection, timeout=timeout):
                     raise
-        else:
-            # Search parameters follow the index the collection actually has.
-            described = client.describe_index(self._collection, "embedding", timeout=timeout) or {}
-            self._index_type = str(described.get("index_type", self._index_type))
+        described = client.describe_collection(self._collection, timeout=timeout)
+        self._partitioned = any(
+            f.get("name") == "tenant_id" and f.get("is_partition_key") for f in described.get("fields", [])
+        )
+        index = client.describe_index(self._collection, "embedding", timeout=timeout) or {}
+        self._index_type = str(index.get("index_type", ""))
+        self._rows_seen = self._count(client)
+        if not self._index_type:
+            # A switch of index interrupted between drop and create: build the one the size calls for.
+            self._build_index(client, self._wanted_index(client, self._rows_seen))
         client.load_collection(self._collection, timeout=timeout)
+        if self._index_type == "FLAT":
+            self._apply_policy(client, self._rows_seen)
+
+    def _create_collection(self, client: Any, name: str, *, partitioned: bool) -> None:
+        from pymilvus import DataType
+
+        schema = client.create_schema(auto_id=False, enable_dynamic_field=False)
+        schema.add_field("face_id", DataType.VARCHAR, max_length=64, is_primary=True)
+        schema.add_field("tenant_id", DataType.VARCHAR, max_length=64, is_partition_key=partitioned)
+        schema.add_field("model_version", DataType.VARCHAR, max_length=64)
+        schema.add_field("created_at", DataType.INT64)
+        schema.add_field("embedding", DataType.FLOAT_VECTOR, dim=self._dimension)
+        index_params = client.prepare_index_params()
+        index_params.add_index(field_name="embedding", index_type="FLAT", metric_type="IP", params={})
+        client.create_collection(
+            name, schema=schema, index_params=index_params, consistency_level="Strong",
+            timeout=self._timeout_s,
+        )  # fmt: skip
+
+    def _is_lite(self, client: Any) -> bool:
+        """Whether the server is milvus-lite, told by behaviour rather than by version strings: a
+        partition-key collection there reports no partitions (a server reports 16 by default)."""
+        if self._lite is None:
+            probe = f"probe_{uuid.uuid4().hex[:12]}"
+            self._create_collection(client, probe, partitioned=True)
+            try:
+                described = client.describe_collection(probe, timeout=self._timeout_s)
+                self._lite = int(described.get("num_partitions") or 0) == 0
+            finally:
+                client.drop_collection(probe, timeout=self._timeout_s)
+        return self._lite
+
+    def _count(self, client: Any) -> int:
+        rows = client.query(
+            self._collection, filter="", output_fields=["count(*)"], consistency_level="Strong",
+            timeout=self._timeout_s,
+        )  # fmt: skip
+        return int(rows[0]["count(*)"]) if rows else 0
+
+    def _wanted_index(self, client: Any, rows: int) -> str:
+        policy = self._policy
+        if policy is None or rows <= policy.flat_max_rows:
+            return "FLAT"
+        if policy.large_index:
+            return policy.large_index
+        # milvus-lite 2.5.1 ignores nprobe in IVF_FLAT searches (measured: the same recall@10, ~0.3, at
+        # nprobe 1 and at nprobe = nlist), and has no HNSW: exact search is its only accurate choice.
+        return "FLAT" if self._is_lite(client) else "HNSW"
+
+    def _build_index(self, client: Any, index_type: str) -> None:
+        params: dict[str, int | float] = dict(_BUILD_PARAMS.get(index_type, {}))
+        if index_type != "FLAT" and self._policy is not None:
+            params.update({key: value for key, value in self._policy.build_params.items() if key in params})
+        index_params = client.prepare_index_params()
+        index_params.add_index(field_name="embedding", index_type=index_type, metric_type="IP", params=params)
+        # Building reads the whole collection: no short deadline (minutes at 10M rows).
+        client.create_index(self._collection, index_params, timeout=None)
+        self._index_type = index_type
+        logger.info("Milvus collection %s: index %s %s", self._collection, index_type, params)
+
+    def _apply_policy(self, client: Any, rows: int) -> None:
+        """Switch a FLAT collection past the policy's threshold to its approximate index."""
+        wanted = self._wanted_index(client, rows)
+        if wanted == "FLAT":
+            # Past the threshold and still FLAT (milvus-lite's default): no switch will ever be due, so
+            # inserts stop recounting the collection.
+            self._stays_flat = self._policy is not None and rows > self._policy.flat_max_rows
+            return
+        current = client.describe_index(self._collection, "embedding", timeout=self._timeout_s) or {}
+        if current.get("index_type") not in (None, "", "FLAT"):
+            self._index_type = str(current["index_type"])  # another replica switched it already
+            return
+        logger.info("Milvus collection %s: %d rows, switching FLAT -> %s", self._collection, rows, wanted)
+        client.release_collection(self._collection, timeout=self._timeout_s)
+        try:
+            client.drop_index(self._collection, "embedding", timeout=self._timeout_s)
+            try:
+                self._build_index(client, wanted)
+            except BaseException:
+                self._build_index(client, "FLAT")  # stay searchable; the failure still surfaces
+                raise
+        finally:
+            client.load_collection(self._collection, timeout=None)
 
     def _search_params(self) -> dict[str, Any]:
-        params: dict[str, Any] = {"nprobe": self._nprobe} if self._index_type == "IVF_FLAT" else {}
+        # Keys of every family: a FLAT search ignores them, and a replica that missed a switch still
+        # searches the approximate index with the configured nprobe / ef.
+        params: dict[str, Any] = dict(_SEARCH_PARAMS)
+        if self._policy is not None:
+            params.update(self._policy.search_params)
         return {"metric_type": "IP", "params": params}
+
+    @property
+    def index_type(self) -> str:
+        """The index this store last saw on its collection (FLAT, IVF_FLAT or HNSW)."""
+        return self._index_type
+
+    @property
+    def partitioned(self) -> bool:
+        """Whether the collection's tenant_id is its partition key."""
+        return self._partitioned
 
     # -- GalleryStore -----------------------------------------------------------------------------------
 
@@ -203,6 +346,13 @@ class MilvusGalleryStore:
         def upsert(client: Any) -> None:
             for start in range(0, len(rows), _BATCH):
                 client.upsert(self._collection, rows[start : start + _BATCH], timeout=self._timeout_s)
+            self._rows_seen += len(rows)  # an upsert may replace rows: an upper bound, recounted below
+            policy = self._policy
+            due = policy is not None and self._rows_seen > policy.flat_max_rows
+            if due and self._index_type == "FLAT" and not self._stays_flat:
+                with self._init_lock:  # one switch per process at a time
+                    self._rows_seen = self._count(client)
+                    self._apply_policy(client, self._rows_seen)
 
         await self._run(upsert)
 
@@ -298,14 +448,7 @@ class MilvusGalleryStore:
         return await self._run(scan)
 
     async def count(self) -> int:
-        def count(client: Any) -> int:
-            rows = client.query(
-                self._collection, filter="", output_fields=["count(*)"], consistency_level="Strong",
-                timeout=self._timeout_s,
-            )  # fmt: skip
-            return int(rows[0]["count(*)"]) if rows else 0
-
-        return await self._run(count)
+        return await self._run(self._count)
 
     async def close(self) -> None:
         client, self._client = self._client, None

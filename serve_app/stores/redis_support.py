@@ -10,11 +10,14 @@ import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from redis import exceptions as redis_exceptions
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialWithJitterBackoff
 
 from serve_app.domain.errors import BackendRejected, BackendUnavailable
@@ -38,6 +41,55 @@ _SERVER_STATE_CLASSES = (
 _SERVER_STATE_PREFIXES = ("MISCONF", "BUSY", "NOREPLICAS", "UNBLOCKED")
 
 
+SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+
+
+@dataclass(frozen=True)
+class SentinelTarget:
+    """A parsed `redis+sentinel://[[user]:password@]host:port[,host:port...]/service_name[/db]` URL.
+    The credentials are the master's (and replicas'); `?sentinel_password=` authenticates to the
+    sentinels when they require it. rediss+sentinel:// uses TLS to the master."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    service_name: str
+    db: int
+    username: str | None
+    password: str | None
+    sentinel_password: str | None
+    tls: bool
+
+
+def parse_sentinel_url(url: str) -> SentinelTarget:
+    parts = urlsplit(url)
+    if parts.scheme not in SENTINEL_SCHEMES:
+        raise ValueError(f"not a sentinel URL (expected {' or '.join(SENTINEL_SCHEMES)}://)")
+    credentials, _, hosts = parts.netloc.rpartition("@")
+    username, _, password = credentials.partition(":") if credentials else ("", "", "")
+    sentinels = []
+    for item in hosts.split(","):
+        host, _, port = item.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"sentinel address {item!r} is not host:port")
+        sentinels.append((host.strip("[]"), int(port)))
+    path = [segment for segment in parts.path.split("/") if segment]
+    if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
+        raise ValueError("a sentinel URL ends with /service_name or /service_name/db")
+    query = parse_qs(parts.query)
+    return SentinelTarget(
+        sentinels=tuple(sentinels),
+        service_name=unquote(path[0]),
+        db=int(path[1]) if len(path) == 2 else 0,
+        username=unquote(username) or None,
+        password=unquote(password) or None,
+        sentinel_password=query.get("sentinel_password", [None])[0],
+        tls=parts.scheme.startswith("rediss"),
+    )
+
+
+def is_sentinel_url(url: str) -> bool:
+    return url.split("://", 1)[0] in SENTINEL_SCHEMES
+
+
 def connect_redis(
     url: str,
     *,
@@ -47,7 +99,8 @@ def connect_redis(
     retries: int = 2,
     max_connections: int | None = None,
 ) -> Redis:
-    """An asyncio client for `url` (redis://, rediss:// or unix://). No I/O happens until the first call.
+    """An asyncio client for `url` (redis://, rediss://, unix://, or redis+sentinel:// for the master of a
+    Sentinel-monitored group, see SentinelTarget). No I/O happens until the first call.
 
     - socket timeouts bound how long a dead or blackholed server can stall a request;
     - health_check_interval pings connections idle longer than that before reuse, so a connection cut by
@@ -57,17 +110,40 @@ def connect_redis(
     Stores that block (XREADGROUP BLOCK, BLPOP) keep each wait shorter than socket_timeout_s.
     """
     retry = Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), retries)
-    return Redis.from_url(
-        url,
-        decode_responses=True,
-        socket_timeout=socket_timeout_s,
-        socket_connect_timeout=connect_timeout_s,
-        socket_keepalive=True,
-        health_check_interval=health_check_interval_s,
-        retry=retry,
-        retry_on_error=[redis_exceptions.ConnectionError, redis_exceptions.TimeoutError],
-        max_connections=max_connections,
+    options: dict[str, Any] = {
+        "decode_responses": True,
+        "socket_timeout": socket_timeout_s,
+        "socket_connect_timeout": connect_timeout_s,
+        "socket_keepalive": True,
+        "health_check_interval": health_check_interval_s,
+        "retry": retry,
+        "retry_on_error": [redis_exceptions.ConnectionError, redis_exceptions.TimeoutError],
+        "max_connections": max_connections,
+    }
+    if not is_sentinel_url(url):
+        return Redis.from_url(url, **options)
+    # Sentinel: every new connection asks the sentinels for the current master, and a connection to a
+    # server that is no longer master is dropped (redis-py's SentinelConnectionPool), so after a failover
+    # the retry above lands on the new master.
+    target = parse_sentinel_url(url)
+    sentinel_options: dict[str, Any] = {
+        "socket_timeout": socket_timeout_s,
+        "socket_connect_timeout": connect_timeout_s,
+        "decode_responses": True,
+    }
+    if target.sentinel_password:
+        sentinel_options["password"] = target.sentinel_password
+    sentinel = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel_options)
+    master: Redis = sentinel.master_for(
+        target.service_name,
+        redis_class=Redis,
+        db=target.db,
+        username=target.username,
+        password=target.password,
+        ssl=target.tls,
+        **options,
     )
+    return master
 
 
 def text(value: object) -> str:

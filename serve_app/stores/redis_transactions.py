@@ -31,6 +31,7 @@ from redis import exceptions as redis_exceptions
 from redis.asyncio import Redis
 from redis.typing import EncodableT, FieldT
 
+from serve_app.domain.errors import BackendUnavailable
 from serve_app.domain.identifiers import is_reference_id
 from serve_app.domain.outcomes import Outcome
 from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState
@@ -43,6 +44,16 @@ logger = logging.getLogger(__name__)
 _FINAL = (TransactionState.COMPLETED.value, TransactionState.FAILED.value)
 
 # QUEUED/PROCESSING -> PROCESSING with attempts + 1; returns the hash, or nil if unknown or final.
+# The create-and-enqueue writes as one script, so they run on the connection that then sends WAIT (WAIT
+# counts the replicas that acknowledged the writes of its own connection; a pipeline may use another).
+# KEYS: transaction hash, counts hash, stream. ARGV: state, reference_id, then the hash's field/value pairs.
+_CREATE = """
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
+redis.call('XADD', KEYS[3], '*', 'ref', ARGV[2])
+return 1
+"""
+
 _MARK_PROCESSING = """
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return nil end
@@ -148,9 +159,17 @@ class RedisTransactionStore:
         group: str = "workers",
         finished_ttl_s: int | None = None,
         done_signal_ttl_s: int = 60,
+        replicas: int = 0,
+        replica_timeout_ms: int = 1000,
     ) -> None:
         """finished_ttl_s: expire final transactions after this long (None: keep them).
-        done_signal_ttl_s: how long a completion signal outlives the completion, for slow waiters."""
+        done_signal_ttl_s: how long a completion signal outlives the completion, for slow waiters.
+        replicas: create_and_enqueue returns only once this many replicas hold the new transaction (WAIT),
+        else raises BackendUnavailable after replica_timeout_ms (see the README's durability contract)."""
+        if replicas < 0 or replica_timeout_ms <= 0:
+            raise ValueError("replicas must be >= 0 and replica_timeout_ms > 0")
+        self._replicas = replicas
+        self._replica_timeout_ms = replica_timeout_ms
         self._redis = redis
         self._prefix = prefix
         self._stream = f"{prefix}sys:tx-queue"
@@ -164,6 +183,7 @@ class RedisTransactionStore:
         # quiet connection as dead; long waits are made of several shorter blocking calls.
         socket_timeout = socket_timeout_of(redis)
         self._max_block_s = 2.0 if socket_timeout is None else max(0.05, min(2.0, socket_timeout - 1.0))
+        self._create = redis.register_script(_CREATE)
         self._mark_processing = redis.register_script(_MARK_PROCESSING)
         self._finalize = redis.register_script(_FINALIZE)
         self._renew = redis.register_script(_RENEW)
@@ -177,11 +197,28 @@ class RedisTransactionStore:
     # -- TransactionStore -------------------------------------------------------------------------------
 
     async def create_and_enqueue(self, tx: Transaction) -> None:
-        async with redis_errors(), self._redis.pipeline(transaction=True) as pipe:
-            pipe.hset(self._tx_key(tx.reference_id), mapping=_encode(tx))
-            pipe.hincrby(self._counts, tx.state.value, 1)
-            pipe.xadd(self._stream, {"ref": tx.reference_id})
-            await pipe.execute()
+        if self._replicas == 0:
+            async with redis_errors(), self._redis.pipeline(transaction=True) as pipe:
+                pipe.hset(self._tx_key(tx.reference_id), mapping=_encode(tx))
+                pipe.hincrby(self._counts, tx.state.value, 1)
+                pipe.xadd(self._stream, {"ref": tx.reference_id})
+                await pipe.execute()
+            return
+        pairs: list[EncodableT] = [item for pair in _encode(tx).items() for item in pair]
+        async with redis_errors(), self._redis.client() as connection:  # one connection: script, then WAIT
+            await self._create(
+                keys=[self._tx_key(tx.reference_id), self._counts, self._stream],
+                args=[tx.state.value, tx.reference_id, *pairs],
+                client=connection,
+            )
+            acknowledged = int(await connection.wait(self._replicas, self._replica_timeout_ms))
+        if acknowledged < self._replicas:
+            # Written on the master but not yet on a replica: a failover now could lose it, so the client
+            # is not given a reference_id (it may still be processed; a retry makes a new transaction).
+            raise BackendUnavailable(
+                f"Redis: the transaction reached {acknowledged} of {self._replicas} replica(s) within "
+                f"{self._replica_timeout_ms} ms"
+            )
 
     async def get(self, reference_id: str) -> Transaction | None:
         if not is_reference_id(reference_id):

@@ -1,0 +1,170 @@
+"""The gallery at scale, on a real milvus-lite server through the store interface: tenants never see each
+other's faces, and the index policy switches FLAT -> IVF_FLAT exactly past its threshold while search
+results stay those of exact search. (At this size milvus-lite searches its small segments exhaustively;
+the recall of IVF_FLAT on large collections is bench/vector_search.py's business.)"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from serve_app.domain.faces import GalleryEntry
+from serve_app.embedded import EmbeddedMilvus
+from serve_app.stores.milvus_gallery import IndexPolicy, MilvusGalleryStore
+
+DIM = 32
+TENANTS = ("tenant-a", "tenant-b", "tenant-c")
+THRESHOLD = 900  # rows; small so the test stays quick, the mechanism is the one used at millions
+NLIST = 16
+
+
+@pytest.fixture(scope="module")
+def milvus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedMilvus]:
+    server = EmbeddedMilvus(tmp_path_factory.mktemp("gallery-scale"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def clustered(rng: np.random.Generator, count: int, centres: np.ndarray) -> np.ndarray:
+    """Unit vectors around a few centres, like several photos of each of many people."""
+    picks = centres[rng.integers(0, len(centres), count)]
+    vectors = picks + rng.standard_normal((count, DIM)).astype(np.float32) * 0.3
+    return (vectors / np.linalg.norm(vectors, axis=1, keepdims=True)).astype(np.float32)
+
+
+def exact_top(vectors: np.ndarray, ids: list[str], probe: np.ndarray, k: int) -> list[str]:
+    scores = vectors @ probe
+    return [ids[i] for i in np.argsort(-scores)[:k]]
+
+
+def test_tenants_never_mix_and_index_switches_at_threshold(milvus: EmbeddedMilvus) -> None:
+    rng = np.random.default_rng(12)
+    centres = rng.standard_normal((40, DIM)).astype(np.float32)
+    # Every tenant draws from the same centres, and tenant-b holds exact twins of tenant-a's first
+    # vectors: a search that leaked across tenants would rank a foreign twin first.
+    per_tenant = {tenant: clustered(rng, THRESHOLD // 3, centres) for tenant in TENANTS}
+    per_tenant["tenant-b"][:50] = per_tenant["tenant-a"][:50]
+    extra = clustered(rng, 30, centres)  # tenant-a's rows that cross the threshold
+    policy = IndexPolicy(
+        flat_max_rows=THRESHOLD,
+        large_index="IVF_FLAT",  # asked for explicitly: the default keeps FLAT on milvus-lite
+        build_params={"nlist": NLIST},
+        search_params={"nprobe": NLIST},  # all lists probed: IVF must then agree with exact search
+    )
+
+    def entries(tenant: str, vectors: np.ndarray, first: int) -> list[GalleryEntry]:
+        return [
+            GalleryEntry(f"{tenant}-{first + i}", tenant, "v1", vector, time.time())
+            for i, vector in enumerate(vectors)
+        ]
+
+    async def check_search(store: MilvusGalleryStore, stored: dict[str, np.ndarray]) -> None:
+        for tenant, vectors in stored.items():
+            ids = [f"{tenant}-{i}" for i in range(len(vectors))]
+            for row in rng.integers(0, len(vectors), 12):
+                probe = vectors[row] + rng.standard_normal(DIM).astype(np.float32) * 0.05
+                probe /= np.linalg.norm(probe)
+                matches = await store.search(tenant, probe, 10, -1.0)
+                assert all(match.face_id.startswith(f"{tenant}-") for match in matches), matches
+                assert [m.face_id for m in matches] == exact_top(vectors, ids, probe, 10)
+                expected = float(vectors[ids.index(matches[0].face_id)] @ probe)
+                assert matches[0].similarity == pytest.approx(expected, abs=1e-4)
+
+    async def scenario() -> None:
+        store = MilvusGalleryStore(
+            milvus.uri, collection="scale", model_version="v1", dimension=DIM, index_policy=policy
+        )
+        try:
+            for tenant, vectors in per_tenant.items():
+                await store.add(entries(tenant, vectors, 0))
+            assert await store.count() == THRESHOLD
+            assert store.index_type == "FLAT"  # at the threshold: still exact
+            # milvus-lite has no partitions; the store noticed and kept the plain layout.
+            assert store.partitioned is False
+            await check_search(store, per_tenant)
+
+            # A second process (replica) that does not enforce the policy, opened before the switch.
+            bystander = MilvusGalleryStore(milvus.uri, collection="scale", model_version="v1", dimension=DIM)
+            await bystander.ensure_ready()
+            assert bystander.index_type == "FLAT"
+
+            await store.add(entries("tenant-a", extra, THRESHOLD // 3))
+            assert await store.count() == THRESHOLD + len(extra)
+            assert store.index_type == "IVF_FLAT"  # past the threshold: switched by the crossing insert
+            grown = {**per_tenant, "tenant-a": np.vstack([per_tenant["tenant-a"], extra])}
+            await check_search(store, grown)
+
+            # The bystander searches the new index with the policy-free defaults (nprobe 32 > nlist):
+            # still exact, still within its tenant.
+            await check_search(bystander, grown)
+            await bystander.close()
+
+            # A store opened later sees the switched index; deleting below the threshold keeps it.
+            reopened = MilvusGalleryStore(
+                milvus.uri, collection="scale", model_version="v1", dimension=DIM, index_policy=policy
+            )
+            await reopened.ensure_ready()
+            assert reopened.index_type == "IVF_FLAT"
+            await reopened.delete(
+                "tenant-a", [f"tenant-a-{i}" for i in range(THRESHOLD // 3, len(grown["tenant-a"]))]
+            )
+            await check_search(reopened, per_tenant)
+            await reopened.close()
+        finally:
+            await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_existing_collection_without_partition_key_keeps_serving(milvus: EmbeddedMilvus) -> None:
+    """A collection created without the partition key (the layout before it, or milvus-lite's) is read
+    and written as it is by a store that would create new collections with one."""
+    rng = np.random.default_rng(5)
+    vectors = clustered(rng, 20, rng.standard_normal((4, DIM)).astype(np.float32))
+
+    async def scenario() -> None:
+        old = MilvusGalleryStore(
+            milvus.uri, collection="legacy", model_version="v1", dimension=DIM, partition_key=False
+        )
+        await old.add([GalleryEntry(f"old-{i}", "tenant-a", "v1", v, 0.0) for i, v in enumerate(vectors)])
+        await old.close()
+        new = MilvusGalleryStore(milvus.uri, collection="legacy", model_version="v1", dimension=DIM)
+        try:
+            await new.ensure_ready()
+            assert new.partitioned is False
+            assert [m.face_id for m in await new.search("tenant-a", vectors[3], 1, -1.0)] == ["old-3"]
+            await new.add([GalleryEntry("new-0", "tenant-b", "v1", vectors[3], 0.0)])
+            assert [m.face_id for m in await new.search("tenant-b", vectors[3], 5, -1.0)] == ["new-0"]
+            assert await new.count() == 21
+        finally:
+            await new.close()
+
+    asyncio.run(scenario())
+
+
+def test_default_policy_keeps_exact_search_on_milvus_lite(milvus: EmbeddedMilvus) -> None:
+    """Without an explicit large index, milvus-lite stays FLAT past the threshold: its IVF_FLAT ignores
+    nprobe, so switching would trade recall for speed without a way to buy recall back."""
+    rng = np.random.default_rng(9)
+    vectors = clustered(rng, 40, rng.standard_normal((4, DIM)).astype(np.float32))
+
+    async def scenario() -> None:
+        store = MilvusGalleryStore(
+            milvus.uri, collection="lite_default", model_version="v1", dimension=DIM,
+            index_policy=IndexPolicy(flat_max_rows=10),
+        )  # fmt: skip
+        try:
+            await store.add([GalleryEntry(f"f{i}", "tenant-a", "v1", v, 0.0) for i, v in enumerate(vectors)])
+            assert await store.count() == 40
+            assert store.index_type == "FLAT"
+        finally:
+            await store.close()
+
+    asyncio.run(scenario())
