@@ -22,6 +22,7 @@ from redis.asyncio import Redis
 
 from bench.common import format_table
 from serve_app.domain.faces import FaceRecord
+from serve_app.domain.outcomes import FaceMatch, FaceSearchOutcome
 from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState, new_reference_id
 from serve_app.embedded import EmbeddedRedis
 from serve_app.stores.redis_records import RedisFaceRecordStore
@@ -47,9 +48,11 @@ def new_tx() -> Transaction:
     )
 
 
-def search_result() -> dict[str, object]:
-    matches = [[uuid.uuid4().hex, 0.873215, f"customer-{uuid.uuid4().hex[:15]}"] for _ in range(10)]
-    return {"is_face_found": True, "matched_faces": matches, "_enrolled": True}
+def search_result() -> FaceSearchOutcome:
+    matches = tuple(
+        FaceMatch(uuid.uuid4().hex, 0.873215, f"customer-{uuid.uuid4().hex[:15]}") for _ in range(10)
+    )
+    return FaceSearchOutcome(is_face_found=True, matches=matches, enrolled=True)
 
 
 async def used_memory(redis: Redis) -> int:

@@ -22,7 +22,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
