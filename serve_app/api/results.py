@@ -14,6 +14,8 @@ from serve_app.api.response_models import (
     FaceSearchData,
     FaceSearchResponse,
     FaceSearchResult,
+    ProbeQuality,
+    QualityReport,
 )
 from serve_app.api.routes.bodies import envelope
 from serve_app.api.tokens import TokenSigner
@@ -53,8 +55,6 @@ def render_outcome(
         if outcome.unindexed_faces:  # an extension field, present only when a face was not enrolled
             data["unindexed_faces"] = [dataclasses.asdict(face) for face in outcome.unindexed_faces]
         return AgeData.model_validate(data).model_dump(mode="json", exclude_unset=True)
-    # The face-search result carries the interface's two fields only: the quality extensions the outcome
-    # holds are not rendered here (as before the outcomes were typed).
     matched = [
         (
             match.face_id,
@@ -64,11 +64,21 @@ def render_outcome(
         )
         for match in outcome.matches
     ]
+    # The quality extensions appear only when a bar was missed, so a client of the interface sees its two
+    # fields alone in the usual case.
+    extensions: dict[str, Any] = {}
+    if outcome.unindexed_faces:
+        extensions["unindexed_faces"] = [
+            QualityReport.model_validate(dataclasses.asdict(face)) for face in outcome.unindexed_faces
+        ]
+    if outcome.probe_quality is not None:
+        extensions["probe_quality"] = ProbeQuality.model_validate(
+            {**dataclasses.asdict(outcome.probe_quality), "search_ok": False}
+        )
+    result = FaceSearchResult(matched_faces=matched, is_face_found=outcome.is_face_found, **extensions)
     search = FaceSearchData(
         service_reference_id=tx.reference_id,
         client_reference=tx.client_reference or "",
-        face_search_response=FaceSearchResponse(
-            result=FaceSearchResult(matched_faces=matched, is_face_found=outcome.is_face_found)
-        ),
+        face_search_response=FaceSearchResponse(result=result),
     )
     return search.model_dump(mode="json", exclude_unset=True)

@@ -159,3 +159,25 @@ def test_the_api_renders_the_age_shape_with_unindexed_faces_only_when_there_are_
             }
         ],
     }
+
+
+def test_a_face_search_that_missed_a_quality_bar_carries_the_quality_extensions() -> None:
+    signer = TokenSigner("secret", 60, 900)
+    outcome = SEARCHES[2]
+    tx = completed(TransactionKind.FACE_SEARCH, outcome)
+    result = render_outcome(tx, outcome, "http://h", signer)["face_search_response"]["result"]
+    measured = {
+        "reasons": ["small_face", "blurry"],
+        "face_size_px": 20.0,
+        "detector_score": 0.5,
+        "sharpness": 1.0,
+        "yaw": 0.0,
+        "pitch": 0.5,
+        "roll_deg": 0.0,
+    }
+    assert result == {
+        "matched_faces": [],
+        "is_face_found": True,
+        "unindexed_faces": [measured],
+        "probe_quality": {**measured, "search_ok": False},
+    }
