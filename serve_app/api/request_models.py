@@ -160,10 +160,14 @@ ClientReference = Annotated[
 ]
 
 
-def _identifier(name: str, check: Callable[[object], bool], rule: str) -> Callable[[object], str]:
+def _identifier(
+    name: str, check: Callable[[object], bool], rule: str, label: str | None = None
+) -> Callable[[object], str]:
+    """label: how the message names the kind of value (the field name when None)."""
+
     def validate(value: object) -> str:
         if not check(value):
-            raise broken(f"{name} is not a valid {name}.", name, rule)
+            raise broken(f"{name} is not a valid {label or name}.", name, rule)
         assert isinstance(value, str)
         return value
 
@@ -172,7 +176,9 @@ def _identifier(name: str, check: Callable[[object], bool], rule: str) -> Callab
 
 ClientId = Annotated[
     str,
-    BeforeValidator(_identifier("client_id", is_client_id, "must be cl_ followed by 24 hex digits")),
+    BeforeValidator(
+        _identifier("client_id", is_client_id, "must be cl_ followed by 24 hex digits", label="client id")
+    ),
     WithJsonSchema(
         {
             "type": "string",
