@@ -20,9 +20,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import yaml
+from pydantic import TypeAdapter, ValidationError
 
-from serve_app.settings import Settings
+from serve_app.deploy_config import load_serve_config
+from serve_app.settings import MaxMatches, MinScore, Settings
 
 logger = logging.getLogger("facesearch")
 
@@ -35,29 +36,17 @@ LOOPBACK_ENV = {
 }
 
 
-def load_serve_config(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(builder args, http options) from a Serve config YAML, with its per-deployment settings folded into
-    args["deployment_options"] so the launcher applies exactly what `serve run` would."""
-    document = yaml.safe_load(path.read_text())
-    application = document["applications"][0]
-    args = dict(application.get("args") or {})
-    deployment_options: dict[str, dict[str, Any]] = {}
-    for entry in application.get("deployments", []):
-        entry = dict(entry)
-        deployment_options[entry.pop("name")] = entry
-    args["deployment_options"] = deployment_options
-    return args, dict(document.get("http_options") or {})
-
-
 def start(config: Path, host: str, port: int | None, metrics_port: int) -> int:
     os.environ.update(LOOPBACK_ENV)
     import ray
     from ray import serve
 
-    from serve_app.graph import build_app, resolve_backends
+    from serve_app.embedded import start_embedded_backends
+    from serve_app.graph import build_app
 
-    settings = resolve_backends(Settings.from_env())
+    # Validate the config before anything starts: a typo in it stops here, naming the key.
     args, http_options = load_serve_config(config)
+    settings = start_embedded_backends(Settings.from_env())
     ray.init(
         _node_ip_address="127.0.0.1",
         _metrics_export_port=metrics_port,
@@ -77,11 +66,12 @@ def start(config: Path, host: str, port: int | None, metrics_port: int) -> int:
     return 0
 
 
-def _override(raw: str | None, kind: type[float] | type[int]) -> tuple[bool, float | int | None]:
-    """(given, value) of an --option: absent, "default" (clear it) or a number."""
+def _override(raw: str | None, bounded: TypeAdapter[Any]) -> tuple[bool, Any]:
+    """(given, value) of an --option: absent, "default" (clear it) or a value within the setting's bounds
+    (the same bounds as the service-wide setting, serve_app.settings)."""
     if raw is None:
         return False, None
-    return True, None if raw == "default" else kind(raw)
+    return True, None if raw == "default" else bounded.validate_python(raw, strict=False)
 
 
 async def _update_client(clients: Any, client_id: str, min_score: str | None, max_matches: str | None) -> int:
@@ -90,16 +80,10 @@ async def _update_client(clients: Any, client_id: str, min_score: str | None, ma
         print(f"no client {client_id}", file=sys.stderr)
         return 1
     try:
-        score_given, score = _override(min_score, float)
-        matches_given, matches = _override(max_matches, int)
-    except ValueError as error:
+        score_given, score = _override(min_score, TypeAdapter(MinScore))
+        matches_given, matches = _override(max_matches, TypeAdapter(MaxMatches))
+    except ValidationError as error:
         print(f"invalid value: {error}", file=sys.stderr)
-        return 2
-    if score is not None and not 0.0 <= score <= 1.0:
-        print("--min-score must lie in [0, 1]", file=sys.stderr)
-        return 2
-    if matches is not None and not 1 <= matches <= 100:
-        print("--max-matches must lie in 1..100", file=sys.stderr)
         return 2
     updated = await clients.update_search_settings(
         client_id,
@@ -156,9 +140,9 @@ async def _reconcile(settings: Settings) -> int:
     report = await reconcile(
         stores.records,
         gallery_store(settings),
-        LocalBlobStore(settings.blob_dir),
+        LocalBlobStore(settings.blobs),
         transactions=stores.transactions,
-        orphan_grace_s=settings.orphan_upload_grace_s,
+        orphan_grace_s=settings.retention.orphan_upload_grace_s,
         model_version=MODEL_VERSION,
     )
     print(json.dumps(dataclasses.asdict(report)))
@@ -198,9 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if options.command == "start":
         return start(options.config, options.host, options.port, options.metrics_port)
-    from serve_app.graph import resolve_backends
+    from serve_app.embedded import start_embedded_backends
 
-    settings = resolve_backends(Settings.from_env())
+    settings = start_embedded_backends(Settings.from_env())
     if options.command == "clients":
         return asyncio.run(
             _clients(settings, options.action, options.value, options.min_score, options.max_matches)

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from models.calibration import FaceScoreCalibration
 from models.embedder import FUSED_DIM, MODEL_VERSION
 from serve_app.api.app import ApiServices
 from serve_app.api.limits import parse_networks
 from serve_app.api.tokens import TokenSigner
+from serve_app.deploy_config import WorkerConfig
 from serve_app.pipelines.analysis import DeadlineAnalysis, FaceAnalysisBackend
 from serve_app.pipelines.auth import ClientAuthenticator
 from serve_app.pipelines.processing import ProcessingPolicy, TransactionProcessor
@@ -45,48 +45,54 @@ def _require(value: str | None, name: str) -> str:
 
 
 def redis_stores(settings: Settings) -> RedisStores:
-    # Every wait_for_result waiter holds a connection (BLPOP): size the pool well above max_ongoing_requests.
-    redis = connect_redis(_require(settings.redis_url, "REDIS_URL"), max_connections=1024)
-    prefix = settings.key_prefix
+    redis = connect_redis(_require(settings.redis.url, "REDIS_URL"), max_connections=settings.redis.pool_size)
+    prefix = settings.redis.key_prefix
+    retention = settings.retention
     return RedisStores(
         transactions=RedisTransactionStore(
-            redis, prefix=prefix, finished_ttl_s=settings.transaction_retention_s or None
+            redis,
+            prefix=prefix,
+            finished_ttl_s=retention.transaction_retention_s or None,
+            done_signal_ttl_s=retention.done_signal_ttl_s,
         ),
         records=RedisFaceRecordStore(redis, prefix=prefix),
-        clients=RedisClientStore(redis, pepper=settings.secret_key, prefix=prefix),
+        clients=RedisClientStore(redis, pepper=settings.auth.secret_key, prefix=prefix),
         limiter=RedisRateLimiter(redis, prefix=prefix),
     )
 
 
 def gallery_store(settings: Settings) -> MilvusGalleryStore:
     return MilvusGalleryStore(
-        _require(settings.milvus_uri, "MILVUS_URI"),
-        token=settings.milvus_token,
+        _require(settings.milvus.uri, "MILVUS_URI"),
+        token=settings.milvus.token,
         model_version=MODEL_VERSION,
         dimension=FUSED_DIM,
+        timeout_s=settings.milvus.timeout_s,
     )
 
 
 def build_api_services(settings: Settings) -> ApiServices:
     stores = redis_stores(settings)
-    blobs = LocalBlobStore(settings.blob_dir)
+    blobs = LocalBlobStore(settings.blobs)
     return ApiServices(
-        transactions=TransactionService(stores.transactions, blobs, settings.max_image_pixels),
+        transactions=TransactionService(stores.transactions, blobs, settings.limits.max_image_pixels),
         proofs=ProofService(stores.records, blobs),
         auth=ClientAuthenticator(
             stores.clients,
             stores.limiter,
-            login_failures_per_window=settings.login_failures_per_window,
-            login_window_s=settings.login_window_s,
-            requests_per_minute=settings.requests_per_minute,
-            login_backoff_max_s=settings.login_backoff_max_s,
-            unauthenticated_per_minute=settings.unauthenticated_per_minute,
+            login_failures_per_window=settings.auth.login_failures_per_window,
+            login_window_s=settings.auth.login_window_s,
+            requests_per_minute=settings.limits.requests_per_minute,
+            login_backoff_max_s=settings.auth.login_backoff_max_s,
+            unauthenticated_per_minute=settings.limits.unauthenticated_per_minute,
         ),
-        signer=TokenSigner(settings.secret_key, settings.access_token_ttl_s, settings.proof_ttl_s),
-        max_upload_bytes=settings.max_upload_bytes,
-        wait_for_result_timeout_s=settings.wait_for_result_timeout_s,
-        public_base_url=settings.public_base_url,
-        trusted_proxies=parse_networks(settings.trusted_proxies),
+        signer=TokenSigner(
+            settings.auth.secret_key, settings.auth.access_token_ttl_s, settings.auth.proof_ttl_s
+        ),
+        max_upload_bytes=settings.limits.max_upload_bytes,
+        wait_for_result_timeout_s=settings.limits.wait_for_result_timeout_s,
+        public_base_url=settings.http.public_base_url,
+        trusted_proxies=parse_networks(settings.http.trusted_proxies),
     )
 
 
@@ -94,28 +100,30 @@ def build_processor(settings: Settings, analysis: FaceAnalysisBackend) -> Transa
     stores = redis_stores(settings)
     policy = ProcessingPolicy(
         model_version=MODEL_VERSION,
-        max_matches=settings.max_matches,
-        min_score=settings.match_min_score,
-        max_image_pixels=settings.max_image_pixels,
-        analysis_max_side=settings.analysis_max_side,
+        max_matches=settings.search.max_matches,
+        min_score=settings.search.match_min_score,
+        max_image_pixels=settings.limits.max_image_pixels,
+        analysis_max_side=settings.models.analysis_max_side,
         calibration=FaceScoreCalibration.load(),
     )
     return TransactionProcessor(
         stores.transactions,
         stores.records,
         gallery_store(settings),
-        LocalBlobStore(settings.blob_dir),
-        DeadlineAnalysis(analysis, settings.model_call_timeout_s),
+        LocalBlobStore(settings.blobs),
+        DeadlineAnalysis(analysis, settings.models.model_call_timeout_s),
         policy,
         clients=stores.clients,
     )
 
 
-def worker_policy(settings: Settings, overrides: dict[str, Any]) -> WorkerPolicy:
+def worker_policy(settings: Settings, overrides: WorkerConfig | None = None) -> WorkerPolicy:
+    """The worker's policy: Settings.worker, with what the deployment's user_config sets on top."""
+    overrides = overrides or WorkerConfig()
     return WorkerPolicy(
-        concurrency=int(overrides.get("concurrency", settings.worker_concurrency)),
-        stale_after_s=float(overrides.get("stale_after_s", settings.stale_after_s)),
-        max_deliveries=int(overrides.get("max_deliveries", settings.max_deliveries)),
+        concurrency=overrides.concurrency or settings.worker.concurrency,
+        stale_after_s=overrides.stale_after_s or settings.worker.stale_after_s,
+        max_deliveries=overrides.max_deliveries or settings.worker.max_deliveries,
     )
 
 
@@ -127,6 +135,6 @@ def build_worker(
 ) -> tuple[QueueWorker, RedisStores]:
     stores = redis_stores(settings)
     processor = build_processor(settings, analysis)
-    policy = worker_policy(settings, {})
+    policy = worker_policy(settings)
     worker = QueueWorker(consumer, stores.transactions, processor, policy, on_processed)
     return worker, stores

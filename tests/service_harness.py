@@ -11,7 +11,6 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import asyncio
 import contextlib
-import dataclasses
 import os
 import socket
 import time
@@ -99,9 +98,7 @@ def running_service(
     embedded = EmbeddedServices(data_dir)
     embedded.start()
     try:
-        settings = dataclasses.replace(
-            Settings.from_env(), redis_url=embedded.redis_url, milvus_uri=embedded.milvus_uri
-        )
+        settings = Settings.from_env().with_backends(embedded.redis_url, embedded.milvus_uri)
         port = free_port()
         metrics_port = free_port()
         ray.init(

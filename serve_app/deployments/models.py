@@ -22,7 +22,7 @@ from models.chips import CHIP_SIZE as SFACE_CHIP_SIZE
 from models.convert import CHIP_SIZE as DLIB_CHIP_SIZE
 from models.embedder import FUSED_DIM
 from models.types import AnalyzedFace, DetectedFace
-from serve_app.deployments.batching import BatchConfig
+from serve_app.deploy_config import BatchConfig
 from serve_app.deployments.metrics import ModelMetrics
 
 logger = logging.getLogger(__name__)
@@ -116,12 +116,12 @@ class FaceAnalysisModel:
         _apply_batch_config(BatchConfig(), self.analyze_batch)
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
-        _apply_batch_config(BatchConfig.from_user_config(user_config), self.analyze_batch)
+        _apply_batch_config(BatchConfig.model_validate(user_config or {}), self.analyze_batch)
 
     async def analyze(self, request: AnalysisRequest) -> list[AnalyzedFace]:
         return await self.analyze_batch(request)
 
-    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005)
+    @serve.batch  # sizes: BatchConfig, applied in __init__ and reconfigure
     async def analyze_batch(self, requests: list[AnalysisRequest]) -> list[list[AnalyzedFace]]:
         started = time.perf_counter()
         # One detector run over all images, one descriptor run and one age run over the faces of the
@@ -153,9 +153,9 @@ class FaceDetectorModel:
         _apply_batch_config(BatchConfig(), self.detect)
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
-        _apply_batch_config(BatchConfig.from_user_config(user_config), self.detect)
+        _apply_batch_config(BatchConfig.model_validate(user_config or {}), self.detect)
 
-    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005)
+    @serve.batch  # sizes: BatchConfig, applied in __init__ and reconfigure
     async def detect(self, letterboxed: list[Any]) -> list[list[DetectedFace]]:
         started = time.perf_counter()
         found = await self._lane.run(self._detector.detect_prepared, letterboxed)
@@ -184,10 +184,10 @@ class FaceEmbedderModel:
         _apply_batch_config(self._batch, self.embed)
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
-        self._batch = BatchConfig.from_user_config(user_config)
+        self._batch = BatchConfig.model_validate(user_config or {})
         _apply_batch_config(self._batch, self.embed)
 
-    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005)
+    @serve.batch  # sizes: BatchConfig, applied in __init__ and reconfigure
     async def embed(self, chip_sets: list[DescriptorChips]) -> list[np.ndarray]:
         started = time.perf_counter()
         # Both chip kinds travel as one array per face (row i of each), so runs split them together.
@@ -215,10 +215,10 @@ class AgeModel:
         _apply_batch_config(self._batch, self.estimate)
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
-        self._batch = BatchConfig.from_user_config(user_config)
+        self._batch = BatchConfig.model_validate(user_config or {})
         _apply_batch_config(self._batch, self.estimate)
 
-    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005)
+    @serve.batch  # sizes: BatchConfig, applied in __init__ and reconfigure
     async def estimate(self, chip_sets: list[np.ndarray]) -> list[list[Any]]:
         started = time.perf_counter()
         results = await self._lane.run(

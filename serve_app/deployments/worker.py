@@ -14,6 +14,7 @@ from ray.serve.handle import DeploymentHandle
 
 from models.embedder import MODEL_VERSION
 from models.types import AnalyzedFace
+from serve_app.deploy_config import WorkerConfig
 from serve_app.deployments.analysis import SplitAnalysis
 from serve_app.deployments.metrics import WorkerMetrics
 from serve_app.deployments.models import AnalysisRequest
@@ -24,7 +25,6 @@ from serve_app.stores.blobs import LocalBlobStore
 from serve_app.wiring import build_worker, gallery_store, worker_policy
 
 logger = logging.getLogger(__name__)
-RECONCILE_EVERY_S = 600.0
 
 
 class FusedAnalysis:
@@ -78,7 +78,10 @@ class TransactionWorker:
         ]
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
-        self._worker.update_policy(worker_policy(self._settings, dict(user_config or {})))
+        # Unknown keys fail the deploy (the replica does not start), naming the key.
+        self._worker.update_policy(
+            worker_policy(self._settings, WorkerConfig.model_validate(user_config or {}))
+        )
 
     async def _report(self) -> None:
         while not self._stop.is_set():
@@ -90,20 +93,20 @@ class TransactionWorker:
                 )
             except Exception as error:  # metrics must never stop the worker
                 logger.debug("metrics update failed: %r", error)
-            await asyncio.sleep(5)
+            await asyncio.sleep(self._settings.worker.metrics_every_s)
 
     async def _reconcile_periodically(self) -> None:
         gallery = gallery_store(self._settings)
-        blobs = LocalBlobStore(self._settings.blob_dir)
+        blobs = LocalBlobStore(self._settings.blobs)
         while not self._stop.is_set():
-            await asyncio.sleep(RECONCILE_EVERY_S)
+            await asyncio.sleep(self._settings.worker.reconcile_every_s)
             try:
                 report = await reconcile(
                     self._stores.records,
                     gallery,
                     blobs,
                     transactions=self._stores.transactions,
-                    orphan_grace_s=self._settings.orphan_upload_grace_s,
+                    orphan_grace_s=self._settings.retention.orphan_upload_grace_s,
                     model_version=MODEL_VERSION,
                 )
                 logger.info("reconciliation: %s", report)

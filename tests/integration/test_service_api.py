@@ -67,7 +67,7 @@ def test_token_endpoint_shape(service: RunningService) -> None:
     assert response.status_code == 200
     body = response.json()
     assert body["status"] is True
-    assert body["result"]["data"]["expires_in"] == service.settings.access_token_ttl_s
+    assert body["result"]["data"]["expires_in"] == service.settings.auth.access_token_ttl_s
     assert body["result"]["data"]["token"].count(".") == 2
 
 
@@ -356,7 +356,7 @@ def test_forwarded_for_from_loopback_does_not_choose_the_login_bucket(service: R
     """No trusted proxies: X-Forwarded-For from 127.0.0.1 is not believed, not even by the uvicorn inside
     Ray's HTTP proxy (which trusts 127.0.0.1 by default), so rotating it does not buy fresh attempts."""
     client = service.new_client("xff")
-    allowance = service.settings.login_failures_per_window
+    allowance = service.settings.auth.login_failures_per_window
     with service.http() as http:
         statuses = [
             http.post(

@@ -654,7 +654,7 @@ def test_a_long_milvus_outage_fails_no_transaction(host: ServiceHost, faces_dev:
     token = service.token_for(client)
     photos = [images[1].path for images in faces_dev.by_identity().values()][:2]
     # Long enough for max_deliveries + 3 reclaim rounds (a round: stale_after_s, checked every 5 s).
-    outage_s = (service.settings.max_deliveries + 3) * max(float(STALE_AFTER_S), 5.0)
+    outage_s = (service.settings.worker.max_deliveries + 3) * max(float(STALE_AFTER_S), 5.0)
 
     milvus.stop()
     try:
