@@ -47,7 +47,8 @@ from models.embedder import FaceEmbedder, FusedEmbedder, SFaceEmbedder
 from models.quality import DEFAULT_QUALITY_THRESHOLDS, QualityThresholds, assess_quality
 from models.sessions import DEFAULT_PROVIDER_PREFERENCE, SessionOptions
 from models.sface import ensure_sface_model
-from models.types import AgeEstimate, AnalyzedFace, DetectedFace, FaceQuality
+from models.types import AgeEstimate, AnalyzedFace, DetectedFace, FaceQuality, subject_index
+from models.types import largest_face as largest_face  # re-exported: callers import it from here
 from models.weights import resolve
 
 logger = logging.getLogger(__name__)
@@ -210,18 +211,6 @@ class FaceCropper:
         if not shapes:
             return np.zeros((0, size, size, 3), dtype=np.uint8)
         return self.aligner.chips(rgb, list(shapes), size, padding)
-
-
-def subject_index(faces: Sequence[DetectedFace]) -> int | None:
-    """Index of the largest box (the first of equals): the face whose age the service reports."""
-    if not faces:
-        return None
-    return max(range(len(faces)), key=lambda i: faces[i].area)
-
-
-def largest_face(faces: Sequence[AnalyzedFace]) -> AnalyzedFace | None:
-    """The face with the largest box (the first of equals), or None; the service's probe face."""
-    return max(faces, key=lambda face: face.detection.area, default=None)
 
 
 _Rows = TypeVar("_Rows", np.ndarray, list[AgeEstimate])

@@ -9,8 +9,8 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.api.app import create_app
+from serve_app.api_wiring import build_api_services
 from serve_app.settings import Settings
-from serve_app.wiring import build_api_services
 
 
 @serve.deployment(max_ongoing_requests=256, health_check_period_s=10, ray_actor_options={"num_cpus": 0.25})
