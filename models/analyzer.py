@@ -327,14 +327,24 @@ class FaceAnalyzer:
 
     def check(self) -> None:
         """Health check: one tiny run through every model; raises whatever a broken session raises."""
-        blank = np.zeros((64, 64, 3), dtype=np.uint8)
-        self.detector.detect([blank])
-        self.embedder.embed(
-            np.zeros((1, DESCRIPTOR_CHIP_SIZE, DESCRIPTOR_CHIP_SIZE, 3), dtype=np.uint8),
-            np.zeros((1, SFACE_CHIP_SIZE, SFACE_CHIP_SIZE, 3), dtype=np.uint8),
-        )
-        views = np.zeros((1, AGE_VIEWS_PER_FACE, AGE_INPUT_SIZE, AGE_INPUT_SIZE, 3), dtype=np.uint8)
-        self.age_estimator.estimate(views)
+        probe_detector(self.detector)
+        probe_embedder(self.embedder)
+        probe_age(self.age_estimator)
+
+
+def probe_detector(detector: FaceDetector) -> None:
+    detector.detect([np.zeros((64, 64, 3), dtype=np.uint8)])
+
+
+def probe_embedder(embedder: FusedEmbedder) -> None:
+    embedder.embed(
+        np.zeros((1, DESCRIPTOR_CHIP_SIZE, DESCRIPTOR_CHIP_SIZE, 3), dtype=np.uint8),
+        np.zeros((1, SFACE_CHIP_SIZE, SFACE_CHIP_SIZE, 3), dtype=np.uint8),
+    )
+
+
+def probe_age(estimator: FaceresAgeEstimator) -> None:
+    estimator.estimate(np.zeros((1, AGE_VIEWS_PER_FACE, AGE_INPUT_SIZE, AGE_INPUT_SIZE, 3), dtype=np.uint8))
 
 
 def load_face_analyzer(config: ModelConfig) -> FaceAnalyzer:

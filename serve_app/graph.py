@@ -49,14 +49,14 @@ def build_app(args: dict[str, Any] | AppArgs | None = None, settings: Settings |
         return deployment.options(**extra) if extra else deployment
 
     if app_args.topology == "fused":
-        analysis = configured(FaceAnalysisModel).bind(model_config)
+        analysis = configured(FaceAnalysisModel).bind("analysis", model_config)
         worker = configured(TransactionWorker).bind(settings, analysis_model=analysis)
     else:
         worker = configured(TransactionWorker).bind(
             settings,
-            detector=configured(FaceDetectorModel).bind(model_config),
-            embedder=configured(FaceEmbedderModel).bind(model_config),
-            age=configured(AgeModel).bind(model_config),
+            detector=configured(FaceDetectorModel).bind("detector", model_config),
+            embedder=configured(FaceEmbedderModel).bind("embedder", model_config),
+            age=configured(AgeModel).bind("age", model_config),
             model_config=model_config,
         )
     return configured(ApiIngress).bind(settings, worker)

@@ -13,11 +13,9 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from models.embedder import MODEL_VERSION
-from models.types import AnalyzedFace
 from serve_app.deploy_config import WorkerConfig
-from serve_app.deployments.analysis import SplitAnalysis
+from serve_app.deployments.analysis import FusedAnalysis, SplitAnalysis
 from serve_app.deployments.metrics import WorkerMetrics
-from serve_app.deployments.models import AnalysisRequest
 from serve_app.pipelines.analysis import FaceAnalysisBackend
 from serve_app.pipelines.reconcile import reconcile
 from serve_app.settings import Settings
@@ -25,19 +23,6 @@ from serve_app.stores.blobs import LocalBlobStore
 from serve_app.wiring import build_worker, gallery_store, worker_policy
 
 logger = logging.getLogger(__name__)
-
-
-class FusedAnalysis:
-    """Analysis by the single FaceAnalysisModel deployment: one hop, the decoded image crosses it."""
-
-    def __init__(self, handle: DeploymentHandle) -> None:
-        self._handle = handle
-
-    async def analyze(self, image: Any, *, embed: bool, estimate_age: bool) -> list[AnalyzedFace]:
-        faces: list[AnalyzedFace] = await self._handle.analyze.remote(
-            AnalysisRequest(image, embed, estimate_age)
-        )
-        return faces
 
 
 @serve.deployment(

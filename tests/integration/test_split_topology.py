@@ -1,4 +1,5 @@
-"""The split topology (config/serve-gpu.yaml's layout on CPU): face search and age estimation end to end."""
+"""Both topologies pass the same end-to-end check (split_service_check.check_search_and_age): the split one
+(config/serve-gpu.yaml's layout, on CPU) in its own process, the fused one on the session's service."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import sys
 import pytest
 
 from tests.faces_dev import REPO_ROOT
+from tests.integration.split_service_check import check_search_and_age
+from tests.service_harness import RunningService
 
 
 @pytest.mark.service
@@ -23,3 +26,8 @@ def test_split_topology_searches_and_estimates_ages() -> None:
     )
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
     assert "split topology OK" in finished.stdout
+
+
+@pytest.mark.service
+def test_fused_topology_passes_the_same_check(service: RunningService) -> None:
+    check_search_and_age(service, "fused-check")
