@@ -91,7 +91,8 @@ class SFaceEmbedder:
 def unit_rows(vectors: np.ndarray) -> np.ndarray:
     """Each row scaled to length 1 (a zero row stays zero)."""
     norms = np.linalg.norm(vectors, axis=1, keepdims=True)
-    return (vectors / np.maximum(norms, 1e-12)).astype(np.float32)
+    unit: np.ndarray = (vectors / np.maximum(norms, 1e-12)).astype(np.float32)
+    return unit
 
 
 def fuse_vectors(dlib_unit: np.ndarray, sface_unit: np.ndarray, weights: tuple[float, float]) -> np.ndarray:

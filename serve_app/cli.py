@@ -1,6 +1,7 @@
 """Command line: start the service on this machine, and manage API clients.
 
 facesearch start [--config config/serve.yaml] [--port 8000]
+facesearch backends      (embedded Redis/Milvus for `serve run`: prints their REDIS_URL / MILVUS_URI)
 facesearch clients create NAME | list | revoke CLIENT_ID
 facesearch clients update CLIENT_ID [--min-score X|default] [--max-matches N|default]
 facesearch reconcile
@@ -14,6 +15,7 @@ import dataclasses
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -42,7 +44,7 @@ def start(config: Path, host: str, port: int | None, metrics_port: int) -> int:
     from ray import serve
 
     from serve_app.embedded import start_embedded_backends
-    from serve_app.graph import build_app
+    from serve_app.graph import bind_app
 
     # Validate the config before anything starts: a typo in it stops here, naming the key.
     args, http_options = load_serve_config(config)
@@ -55,15 +57,30 @@ def start(config: Path, host: str, port: int | None, metrics_port: int) -> int:
         log_to_driver=True,
     )
     serve.start(http_options={"host": host, "port": port or int(http_options.get("port", 8000))})
-    serve.run(build_app(args, settings=settings), name="facesearch", route_prefix="/")
+    serve.run(bind_app(args, settings), name="facesearch", route_prefix="/")
     print(f"facesearch is serving on http://{host}:{port or http_options.get('port', 8000)}", flush=True)
     stopped = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stopped.set())
     stopped.wait()
-    serve.shutdown()
+    serve.shutdown()  # type: ignore[no-untyped-call]  # untyped in Ray
     ray.shutdown()
     return 0
+
+
+def backends(settings: Settings) -> int:
+    """Keep the embedded servers of FACESEARCH_DATA_DIR running (started here unless already live) and print
+    their addresses as shell assignments, so `serve run config/serve.yaml` can use them."""
+    from serve_app.embedded import start_embedded_backends
+
+    started = start_embedded_backends(settings)
+    print(f"export REDIS_URL={shlex.quote(str(started.redis.url))}", flush=True)
+    print(f"export MILVUS_URI={shlex.quote(str(started.milvus.uri))}", flush=True)
+    stopped = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stopped.set())
+    stopped.wait()
+    return 0  # the servers stop at exit (start_embedded_backends registered that)
 
 
 def _override(raw: str | None, bounded: TypeAdapter[Any]) -> tuple[bool, Any]:
@@ -176,12 +193,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     clients_parser.add_argument("--max-matches", help="update: matches returned (1-100), or 'default'")
     commands.add_parser(
+        "backends",
+        help="run embedded Redis/Milvus for `serve run` until interrupted; prints REDIS_URL and MILVUS_URI",
+    )
+    commands.add_parser(
         "reconcile", help="repair faces present in only one of Redis and Milvus; sweep orphaned blobs"
     )
     options = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if options.command == "start":
         return start(options.config, options.host, options.port, options.metrics_port)
+    if options.command == "backends":
+        return backends(Settings.from_env())
     from serve_app.embedded import start_embedded_backends
 
     settings = start_embedded_backends(Settings.from_env())

@@ -62,10 +62,6 @@ class AppArgs(_Strict):
     topology: Topology = "fused"
     # models.analyzer.ModelConfig's fields; checked by ModelConfig.from_dict, which names unknown keys.
     models: dict[str, Any] = Field(default_factory=dict, alias="model_config")
-    # Start an embedded redis-server / milvus-lite (127.0.0.1, in FACESEARCH_DATA_DIR) for whichever of
-    # REDIS_URL / MILVUS_URI is unset. Off: both must be set (or the launcher, `facesearch start`, starts
-    # them). Meant for `serve run config/serve.yaml` on one machine.
-    embedded_backends: bool = False
     # Per-deployment Serve options (what a config's `deployments:` list says), by deployment name; the
     # launcher folds the config's list in here so it applies exactly what `serve run` would.
     deployment_options: dict[str, dict[str, Any]] = Field(default_factory=dict)

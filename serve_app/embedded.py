@@ -504,8 +504,8 @@ class EmbeddedServices:
 def start_embedded_backends(settings: Settings) -> Settings:
     """Start embedded redis-server / milvus-lite (bound to 127.0.0.1) for whichever address the settings
     leave unset, and return the settings with both addresses. Called explicitly by the launcher
-    (`facesearch start`, the CLI's admin commands) or by build_app when the application args say
-    `embedded_backends: true`; never as a side effect of building the application.
+    (`facesearch start`, `facesearch backends`, the CLI's admin commands), never by building the
+    application: Serve builds it in a short-lived task, which is no owner for a server.
 
     Started servers belong to the calling process and stop when it exits; a live server left by an earlier
     run in the same data dir is reused.

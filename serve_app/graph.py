@@ -1,13 +1,13 @@
 """The one place that binds the Serve application graph.
 
 `serve run config/serve.yaml` imports `serve_app.graph:build_app` with the YAML's `args`; the launcher
-(`facesearch start`) and the tests call build_app too. Topologies:
+(`facesearch start`) and the tests call bind_app with settings of their own. Topologies:
 - fused (CPU default): ApiIngress -> TransactionWorker -> FaceAnalysisModel (all models in one replica)
 - split (GPU): ApiIngress -> TransactionWorker -> FaceDetectorModel, FaceEmbedderModel, AgeModel
 The ingress and the worker meet only in Redis (the transaction stream), never through a handle.
 
-Building the graph starts nothing: Redis and Milvus are whatever REDIS_URL / MILVUS_URI say, unless the
-application args ask for embedded servers (`embedded_backends: true`) or the launcher started them.
+Building the graph starts nothing: Redis and Milvus are whatever REDIS_URL / MILVUS_URI say (the launcher
+sets them to the embedded servers it started, see serve_app/embedded.py).
 """
 
 from __future__ import annotations
@@ -26,22 +26,25 @@ from serve_app.settings import Settings
 logger = logging.getLogger(__name__)
 
 
-def _backends(settings: Settings, embedded: bool) -> Settings:
-    if settings.redis.url and settings.milvus.uri:
-        return settings
-    if not embedded:
+def _require_backends(settings: Settings) -> Settings:
+    if not (settings.redis.url and settings.milvus.uri):
         raise RuntimeError(
-            "REDIS_URL and MILVUS_URI must name the servers, or the application args must say "
-            "`embedded_backends: true` (one machine), or start with `facesearch start`"
+            "REDIS_URL and MILVUS_URI must name the servers: start with `facesearch start`, or run "
+            "`facesearch backends` (embedded servers on this machine) and export what it prints"
         )
-    from serve_app.embedded import start_embedded_backends
-
-    return start_embedded_backends(settings)
+    return settings
 
 
-def build_app(args: dict[str, Any] | AppArgs | None = None, settings: Settings | None = None) -> Application:
-    app_args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
-    settings = _backends(settings or Settings.from_env(), app_args.embedded_backends)
+def build_app(args: dict[str, Any]) -> Application:
+    """The builder `serve run` / `serve deploy` call with a config's `args` (Serve requires exactly one
+    parameter); settings come from the environment."""
+    return bind_app(args, Settings.from_env())
+
+
+def bind_app(args: dict[str, Any] | AppArgs, settings: Settings) -> Application:
+    """The application graph for these args and settings (the launcher and the tests pass their own)."""
+    app_args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
+    settings = _require_backends(settings)
     model_config = app_args.models
 
     def configured(deployment: Any) -> Any:  # Serve's decorator leaves the class type to type checkers
@@ -59,4 +62,5 @@ def build_app(args: dict[str, Any] | AppArgs | None = None, settings: Settings |
             age=configured(AgeModel).bind("age", model_config),
             model_config=model_config,
         )
-    return configured(ApiIngress).bind(settings, worker)
+    app: Application = configured(ApiIngress).bind(settings, worker)
+    return app

@@ -28,15 +28,16 @@ MinScore = Annotated[float, Field(ge=0.0, le=1.0)]
 MaxMatches = Annotated[int, Field(ge=1, le=100)]
 
 
-def _config(prefix: str) -> SettingsConfigDict:
-    # Empty variables mean "unset", as they always did; the names are the public contract (README).
-    return SettingsConfigDict(
-        env_prefix=prefix, env_ignore_empty=True, extra="forbid", frozen=True, populate_by_name=True
+class _Group(BaseSettings):
+    # Empty variables mean "unset", as they always did; the names are the public contract (README). Each
+    # group says only its prefix; the rest is inherited.
+    model_config = SettingsConfigDict(
+        env_prefix="FACESEARCH_", env_ignore_empty=True, extra="forbid", frozen=True, populate_by_name=True
     )
 
 
-class RedisSettings(BaseSettings):
-    model_config = _config("FACESEARCH_REDIS_")
+class RedisSettings(_Group):
+    model_config = SettingsConfigDict(env_prefix="FACESEARCH_REDIS_")
 
     url: str | None = Field(
         None,
@@ -50,8 +51,8 @@ class RedisSettings(BaseSettings):
     key_prefix: str = Field("fs:", validation_alias="FACESEARCH_KEY_PREFIX", description="Redis key prefix")
 
 
-class MilvusSettings(BaseSettings):
-    model_config = _config("FACESEARCH_MILVUS_")
+class MilvusSettings(_Group):
+    model_config = SettingsConfigDict(env_prefix="FACESEARCH_MILVUS_")
 
     uri: str | None = Field(
         None,
@@ -63,8 +64,8 @@ class MilvusSettings(BaseSettings):
     timeout_s: float = Field(10.0, gt=0, description="deadline of one Milvus call")
 
 
-class AuthSettings(BaseSettings):
-    model_config = _config("FACESEARCH_")
+class AuthSettings(_Group):
+    model_config = SettingsConfigDict(env_prefix="FACESEARCH_")
 
     secret_key: str = Field(
         "",
@@ -84,8 +85,8 @@ class AuthSettings(BaseSettings):
     )
 
 
-class LimitSettings(BaseSettings):
-    model_config = _config("FACESEARCH_")
+class LimitSettings(_Group):
+    model_config = SettingsConfigDict(env_prefix="FACESEARCH_")
 
     max_upload_bytes: int = Field(10 * 1024 * 1024, ge=1, description="request body limit (413)")
     max_image_pixels: int = Field(40_000_000, ge=1, description="decoded image limit (413)")
@@ -98,8 +99,8 @@ class LimitSettings(BaseSettings):
     )
 
 
-class HttpSettings(BaseSettings):
-    model_config = _config("FACESEARCH_")
+class HttpSettings(_Group):
+    model_config = SettingsConfigDict(env_prefix="FACESEARCH_")
 
     public_base_url: str | None = Field(
         None, description="base of proof URLs behind a proxy; unset: taken from each request"
@@ -130,8 +131,8 @@ class HttpSettings(BaseSettings):
         return tuple(networks)
 
 
-class SearchSettings(BaseSettings):
-    model_config = _config("FACESEARCH_")
+class SearchSettings(_Group):
+    model_config = SettingsConfigDict(env_prefix="FACESEARCH_")
 
     max_matches: MaxMatches = Field(
         10, description="matches returned; a tenant's `--max-matches` comes first"
@@ -143,8 +144,8 @@ class SearchSettings(BaseSettings):
     )
 
 
-class ModelSettings(BaseSettings):
-    model_config = _config("FACESEARCH_")
+class ModelSettings(_Group):
+    model_config = SettingsConfigDict(env_prefix="FACESEARCH_")
 
     analysis_max_side: int = Field(1920, ge=64, description="larger images are downscaled before detection")
     model_call_timeout_s: float = Field(
@@ -152,8 +153,8 @@ class ModelSettings(BaseSettings):
     )
 
 
-class WorkerSettings(BaseSettings):
-    model_config = _config("FACESEARCH_WORKER_")
+class WorkerSettings(_Group):
+    model_config = SettingsConfigDict(env_prefix="FACESEARCH_WORKER_")
 
     # The deployment's user_config may override the first three on running replicas.
     concurrency: int = Field(32, ge=1, description="transactions in flight per worker replica")
@@ -175,8 +176,8 @@ class WorkerSettings(BaseSettings):
     metrics_every_s: float = Field(5.0, gt=0, description="how often each worker exports its queue gauges")
 
 
-class RetentionSettings(BaseSettings):
-    model_config = _config("FACESEARCH_")
+class RetentionSettings(_Group):
+    model_config = SettingsConfigDict(env_prefix="FACESEARCH_")
 
     transaction_retention_s: int = Field(
         30 * 24 * 3600,
@@ -195,8 +196,8 @@ class RetentionSettings(BaseSettings):
     )
 
 
-class Settings(BaseSettings):
-    model_config = _config("FACESEARCH_")
+class Settings(_Group):
+    model_config = SettingsConfigDict(env_prefix="FACESEARCH_")
 
     data_dir: Path = Field(Path("var"), description="embedded Redis/Milvus data, blobs, development secret")
     blob_dir: Path | None = Field(

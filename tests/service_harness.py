@@ -88,7 +88,7 @@ def running_service(
     import ray
     from ray import serve
 
-    from serve_app.graph import build_app
+    from serve_app.graph import bind_app
 
     ray_tmp = Path(f"/tmp/ray-{os.getpid()}")
     ray_tmp.mkdir(parents=True, exist_ok=True)
@@ -111,7 +111,7 @@ def running_service(
         )
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         base_url = f"http://127.0.0.1:{port}"
-        _deploy(build_app(args or {}, settings=settings), start_timeout_s)
+        _deploy(bind_app(args or {}, settings), start_timeout_s)
         _wait_ready(base_url, start_timeout_s)
         yield RunningService(
             base_url=base_url,

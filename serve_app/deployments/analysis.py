@@ -26,7 +26,7 @@ from models.types import AgeEstimate, AnalyzedFace, DetectedFace
 class FusedAnalysis:
     """Analysis by the single FaceAnalysisModel deployment: one hop, the decoded image crosses it."""
 
-    def __init__(self, handle: DeploymentHandle) -> None:
+    def __init__(self, handle: DeploymentHandle[Any]) -> None:
         self._handle = handle
 
     async def analyze(self, image: np.ndarray, *, embed: bool, estimate_age: bool) -> list[AnalyzedFace]:
@@ -37,9 +37,9 @@ class FusedAnalysis:
 class SplitAnalysis:
     def __init__(
         self,
-        detector: DeploymentHandle,
-        embedder: DeploymentHandle,
-        age: DeploymentHandle,
+        detector: DeploymentHandle[Any],
+        embedder: DeploymentHandle[Any],
+        age: DeploymentHandle[Any],
         model_config: dict[str, Any],
     ) -> None:
         config = ModelConfig.from_dict(model_config)

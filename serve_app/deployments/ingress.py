@@ -16,7 +16,7 @@ from serve_app.settings import Settings
 @serve.deployment(max_ongoing_requests=256, health_check_period_s=10, ray_actor_options={"num_cpus": 0.25})
 @serve.ingress()
 class ApiIngress:
-    def __init__(self, settings: Settings, worker: DeploymentHandle | None = None) -> None:
+    def __init__(self, settings: Settings, worker: DeploymentHandle[Any] | None = None) -> None:
         # The worker handle is held only so the worker deployment is part of the application graph.
         self._worker = worker
         self._services = build_api_services(settings)

@@ -32,10 +32,10 @@ class TransactionWorker:
     def __init__(
         self,
         settings: Settings,
-        analysis_model: DeploymentHandle | None = None,
-        detector: DeploymentHandle | None = None,
-        embedder: DeploymentHandle | None = None,
-        age: DeploymentHandle | None = None,
+        analysis_model: DeploymentHandle[Any] | None = None,
+        detector: DeploymentHandle[Any] | None = None,
+        embedder: DeploymentHandle[Any] | None = None,
+        age: DeploymentHandle[Any] | None = None,
         model_config: dict[str, Any] | None = None,
     ) -> None:
         analysis: FaceAnalysisBackend

@@ -61,7 +61,9 @@ def settings_for(server: EmbeddedServices, tmp_path: Path, **auth: int) -> Setti
         blob_dir=tmp_path / "blobs",
         redis=RedisSettings(url=server.redis_url, key_prefix=f"e{tmp_path.name[-6:]}:"),
         milvus=MilvusSettings(uri=None, token=""),
-        auth=AuthSettings(secret_key="edge-test-secret-0123456789abcdefghijklmnopqrstuvwxyz", **auth),
+        auth=AuthSettings(secret_key="edge-test-secret-0123456789abcdefghijklmnopqrstuvwxyz").model_copy(
+            update=auth
+        ),
         http=HttpSettings(public_base_url=None),
     )
 

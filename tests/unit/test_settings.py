@@ -148,12 +148,12 @@ def _kuberay_serve_config() -> dict[str, object]:
 
 def test_every_shipped_config_validates() -> None:
     fused, http = load_serve_config(ROOT / "config/serve.yaml")
-    assert fused.topology == "fused" and fused.embedded_backends and http["host"] == "127.0.0.1"
+    assert fused.topology == "fused" and http["host"] == "127.0.0.1"
     assert fused.deployment_options["TransactionWorker"]["user_config"] == {"concurrency": 32}
     gpu, _ = load_serve_config(ROOT / "config/serve-gpu.yaml")
     kuberay, _ = parse_serve_config(_kuberay_serve_config())
     for args in (gpu, kuberay):
-        assert args.topology == "split" and not args.embedded_backends
+        assert args.topology == "split"
         assert set(args.deployment_options) == set(DEPLOYMENTS["split"])
         assert args.models["provider_preference"][0] == "CUDAExecutionProvider"
 
