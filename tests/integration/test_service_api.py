@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 import io
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -32,7 +34,7 @@ def token(service: RunningService) -> str:
 
 
 @pytest.fixture(scope="module")
-def http(service: RunningService) -> httpx.Client:
+def http(service: RunningService) -> Iterator[httpx.Client]:
     with service.http() as client:
         yield client
 
@@ -169,7 +171,7 @@ def test_override_replaces_latest_image(
     replaced = face_search_json(http, token, second[2].path, client_reference=reference, allow_override=1)
     wait_result(http, token, reference_of(replaced))
 
-    def references_matching(photo_path: object) -> list[str]:
+    def references_matching(photo_path: Path) -> list[str]:
         reference_id = reference_of(face_search_json(http, token, photo_path, enroll_face=False))
         result = wait_result(http, token, reference_id)["result"]["data"]["face_search_response"]["result"]
         return [match[3] for match in result["matched_faces"]]

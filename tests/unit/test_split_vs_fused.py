@@ -37,6 +37,11 @@ class _Handle:
         self.run = _Method(function, calls, name)
 
 
+def _stand_in(name: str, function: Callable[[Any], Any], calls: list[str]) -> Any:
+    """Typed Any: SplitAnalysis wants a DeploymentHandle, and the stand-in has only its `run.remote`."""
+    return _Handle(name, function, calls)
+
+
 @pytest.fixture(scope="module")
 def setup() -> tuple[SplitAnalysis, Any, list[str]]:
     config = ModelConfig(intra_op_threads=1)
@@ -50,9 +55,9 @@ def setup() -> tuple[SplitAnalysis, Any, list[str]]:
         AgeRunner(analyzer.age_estimator),
     )
     split = SplitAnalysis(
-        detector=_Handle("detect", lambda item: detector.run([item], 64)[0], calls),
-        embedder=_Handle("embed", lambda chips: embedder.run([chips], 1)[0], calls),
-        age=_Handle("estimate", lambda views: age.run([views], 64)[0], calls),
+        detector=_stand_in("detect", lambda item: detector.run([item], 64)[0], calls),
+        embedder=_stand_in("embed", lambda chips: embedder.run([chips], 1)[0], calls),
+        age=_stand_in("estimate", lambda views: age.run([views], 64)[0], calls),
         model_config={"intra_op_threads": 1},
     )
     return split, analyzer, calls
