@@ -38,7 +38,7 @@ class NoUserConfig(_Strict):
     """Deployments that take no user_config (any key is a mistake)."""
 
 
-Topology = Literal["fused", "split"]
+Topology = Literal["fused", "split", "in_process"]
 
 # Deployment name -> the model of its user_config, per topology. The names are those of the deployment
 # classes in serve_app/deployments (a unit test checks that they agree).
@@ -53,6 +53,7 @@ USER_CONFIGS: dict[str, type[_Strict]] = {
 DEPLOYMENTS: dict[Topology, tuple[str, ...]] = {
     "fused": ("ApiIngress", "TransactionWorker", "FaceAnalysisModel"),
     "split": ("ApiIngress", "TransactionWorker", "FaceDetectorModel", "FaceEmbedderModel", "AgeModel"),
+    "in_process": ("ApiIngress", "TransactionWorker"),
 }
 
 

@@ -4,6 +4,7 @@
 (`facesearch start`) and the tests call bind_app with settings of their own. Topologies:
 - fused (CPU default): ApiIngress -> TransactionWorker -> FaceAnalysisModel (all models in one replica)
 - split (GPU): ApiIngress -> TransactionWorker -> FaceDetectorModel, FaceEmbedderModel, AgeModel
+- in_process (CPU, no worker->model hop): ApiIngress, TransactionWorker owning the models itself
 The ingress and the worker meet only in Redis (the transaction stream), never through a handle.
 
 Building the graph starts nothing: Redis and Milvus are whatever REDIS_URL / MILVUS_URI say (the launcher
@@ -51,7 +52,9 @@ def bind_app(args: dict[str, Any] | AppArgs, settings: Settings) -> Application:
         extra = app_args.deployment_options.get(deployment.name)
         return deployment.options(**extra) if extra else deployment
 
-    if app_args.topology == "fused":
+    if app_args.topology == "in_process":
+        worker = configured(TransactionWorker).bind(settings, model_config=model_config, in_process=True)
+    elif app_args.topology == "fused":
         analysis = configured(FaceAnalysisModel).bind("analysis", model_config)
         worker = configured(TransactionWorker).bind(settings, analysis_model=analysis)
     else:

@@ -2,6 +2,8 @@
 same analysis:
 
 - FusedAnalysis: one hop to FaceAnalysisModel, which runs FaceAnalyzer.analyze_each in its replica.
+- InProcessAnalysis (CPU topology `in_process`): the worker owns the models; concurrent transactions are
+  batched into AnalysisRunner runs in the worker's own process, without a handle hop.
 - SplitAnalysis (GPU topology): FaceAnalyzer's stages across the detector, embedder and age deployments.
   The worker letterboxes and aligns locally, so only fixed-size arrays cross the handles: a uint8 640x640
   letterboxed image to the detector, 150 px (dlib) and 112 px (SFace) chips to the embedder, and the
@@ -21,6 +23,7 @@ from ray.serve.handle import DeploymentHandle
 from models.analyzer import FaceAnalyzer, FaceCrops, FaceResults, ModelConfig
 from models.runners import AnalysisRequest, DescriptorChips
 from models.types import AgeEstimate, AnalyzedFace, DetectedFace
+from serve_app.deployments.models import RunnerBatcher
 
 
 class FusedAnalysis:
@@ -31,6 +34,17 @@ class FusedAnalysis:
 
     async def analyze(self, image: np.ndarray, *, embed: bool, estimate_age: bool) -> list[AnalyzedFace]:
         faces: list[AnalyzedFace] = await self._handle.run.remote(AnalysisRequest(image, embed, estimate_age))
+        return faces
+
+
+class InProcessAnalysis:
+    """The analysis runner in this process, batched across the worker's concurrent transactions."""
+
+    def __init__(self, batcher: RunnerBatcher) -> None:
+        self._batcher = batcher
+
+    async def analyze(self, image: np.ndarray, *, embed: bool, estimate_age: bool) -> list[AnalyzedFace]:
+        faces: list[AnalyzedFace] = await self._batcher.run(AnalysisRequest(image, embed, estimate_age))
         return faces
 
 

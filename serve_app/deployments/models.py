@@ -40,33 +40,50 @@ class InferenceLane:
             return await asyncio.to_thread(function, *args)
 
 
-@serve.deployment(max_ongoing_requests=64, health_check_period_s=10, ray_actor_options={"num_cpus": 1})
-class BatchedModel:
-    """Batches calls across requests (sizes from BatchConfig, changeable live) and runs them off the event
-    loop; callers send one item to `run` and get that item's output."""
+class RunnerBatcher:
+    """A model runner behind serve.batch: calls from concurrent requests are gathered into one run (sizes
+    from BatchConfig, changeable live), which runs off the event loop. Used by the model deployment and,
+    in the in-process topology, inside the transaction worker."""
 
     def __init__(self, stage: Stage, model_config: dict[str, Any] | None = None) -> None:
         self._runner: BatchRunner = load_runner(stage, ModelConfig.from_dict(model_config or {}))
         self._lane = InferenceLane()
         self._metrics = ModelMetrics(stage)
         self._batch = BatchConfig()
-        self.reconfigure({})
+        self.configure(self._batch)
 
-    def reconfigure(self, user_config: dict[str, Any]) -> None:
-        # Unknown keys fail the deploy (the replica does not start), naming the key.
-        self._batch = BatchConfig.model_validate(user_config or {})
-        self.run.set_max_batch_size(self._batch.max_batch_size)  # type: ignore[attr-defined]
-        self.run.set_batch_wait_timeout_s(self._batch.batch_wait_timeout_s)  # type: ignore[attr-defined]
+    def configure(self, batch: BatchConfig) -> None:
+        self._batch = batch
+        self.run.set_max_batch_size(batch.max_batch_size)  # type: ignore[attr-defined]
+        self.run.set_batch_wait_timeout_s(batch.batch_wait_timeout_s)  # type: ignore[attr-defined]
 
-    @serve.batch  # sizes: BatchConfig, applied by reconfigure
+    @serve.batch  # sizes: BatchConfig, applied by configure
     async def run(self, items: list[Any]) -> list[Any]:
         started = time.perf_counter()
         outputs = await self._lane.run(self._runner.run, items, self._batch.max_faces_per_run)
         self._metrics.observe_batch(len(items), sum(map(len, outputs)), time.perf_counter() - started)
         return outputs
 
-    async def check_health(self) -> None:
+    async def check(self) -> None:
         await self._lane.run(self._runner.check)
+
+
+@serve.deployment(max_ongoing_requests=64, health_check_period_s=10, ray_actor_options={"num_cpus": 1})
+class BatchedModel:
+    """One model stage as a deployment; callers send one item to `run` and get that item's output."""
+
+    def __init__(self, stage: Stage, model_config: dict[str, Any] | None = None) -> None:
+        self._batcher = RunnerBatcher(stage, model_config)
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        # Unknown keys fail the deploy (the replica does not start), naming the key.
+        self._batcher.configure(BatchConfig.model_validate(user_config or {}))
+
+    async def run(self, item: Any) -> Any:
+        return await self._batcher.run(item)
+
+    async def check_health(self) -> None:
+        await self._batcher.check()
 
 
 # The deployments the topologies and config files name (serve_app.deploy_config.DEPLOYMENTS).

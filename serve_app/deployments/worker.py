@@ -14,8 +14,9 @@ from ray.serve.handle import DeploymentHandle
 
 from models.embedder import MODEL_VERSION
 from serve_app.deploy_config import WorkerConfig
-from serve_app.deployments.analysis import FusedAnalysis, SplitAnalysis
+from serve_app.deployments.analysis import FusedAnalysis, InProcessAnalysis, SplitAnalysis
 from serve_app.deployments.metrics import WorkerMetrics
+from serve_app.deployments.models import RunnerBatcher
 from serve_app.pipelines.analysis import FaceAnalysisBackend
 from serve_app.pipelines.reconcile import reconcile
 from serve_app.settings import Settings
@@ -37,14 +38,21 @@ class TransactionWorker:
         embedder: DeploymentHandle[Any] | None = None,
         age: DeploymentHandle[Any] | None = None,
         model_config: dict[str, Any] | None = None,
+        in_process: bool = False,
     ) -> None:
         analysis: FaceAnalysisBackend
-        if analysis_model is not None:
+        # In process: this replica owns the models (CPU topology without the worker->model hop).
+        self._models = RunnerBatcher("analysis", model_config) if in_process else None
+        if self._models is not None:
+            analysis = InProcessAnalysis(self._models)
+        elif analysis_model is not None:
             analysis = FusedAnalysis(analysis_model)
         elif detector is not None and embedder is not None and age is not None:
             analysis = SplitAnalysis(detector, embedder, age, model_config or {})
         else:
-            raise ValueError("TransactionWorker needs either analysis_model or detector, embedder and age")
+            raise ValueError(
+                "TransactionWorker needs in_process, analysis_model, or detector, embedder and age"
+            )
         self._settings = settings
         self._consumer = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._metrics = WorkerMetrics()
@@ -104,6 +112,8 @@ class TransactionWorker:
         loop_task = self._tasks[0]
         if loop_task.done():
             raise RuntimeError(f"worker loop stopped: {loop_task.exception()!r}")
+        if self._models is not None:
+            await self._models.check()
 
     async def status(self) -> dict[str, Any]:
         return {

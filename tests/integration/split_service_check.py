@@ -1,7 +1,7 @@
 """The split (GPU) topology end to end, run as its own process: one Ray per process, and the test session
 already holds one for the fused service (tests/integration/conftest.py).
 
-    python -m tests.integration.split_service_check
+    python -m tests.integration.split_service_check [split|in_process]
 
 Enrols the first photo of four identities, searches with a second photo of each (its own reference must
 rank first), and asks for an age with wait_for_result=1 (check_search_and_age, which the fused service
@@ -11,6 +11,7 @@ passes too). Exits non-zero on any failure.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -69,12 +70,25 @@ def check_search_and_age(service: RunningService, tenant: str) -> None:
         print(f"age crop {crop.path.name}: {data['age']}")
 
 
-def main() -> int:
-    with tempfile.TemporaryDirectory() as data_dir, running_service(Path(data_dir), SPLIT_ARGS) as service:
-        check_search_and_age(service, "split")
-    print("split topology OK")
+# The CPU topology without the worker->model hop: the worker owns the models (one replica, one CPU).
+IN_PROCESS_ARGS: dict[str, Any] = {
+    "topology": "in_process",
+    "model_config": {"intra_op_threads": 1},
+    "deployment_options": {"TransactionWorker": {"ray_actor_options": {"num_cpus": 1}}},
+}
+TOPOLOGIES = {"split": SPLIT_ARGS, "in_process": IN_PROCESS_ARGS}
+
+
+def main(argv: list[str]) -> int:
+    topology = argv[0] if argv else "split"
+    with (
+        tempfile.TemporaryDirectory() as data_dir,
+        running_service(Path(data_dir), TOPOLOGIES[topology]) as service,
+    ):
+        check_search_and_age(service, topology)
+    print(f"{topology} topology OK")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:]))
