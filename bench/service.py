@@ -194,7 +194,9 @@ def main() -> None:
     )
     parser.add_argument("--requests", type=int, default=64, help="requests per phase")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--topology", nargs="+", default=["fused", "split"], choices=("fused", "split"))
+    parser.add_argument(
+        "--topology", nargs="+", default=["fused", "split"], choices=("fused", "split", "in_process")
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--phase-timeout", type=float, default=300.0)
     args = parser.parse_args()
@@ -253,6 +255,9 @@ def app_args_for(topology: str, threads: int) -> dict[str, object]:
         share = {"ray_actor_options": {"num_cpus": 0.5}}
         models = ("FaceDetectorModel", "FaceEmbedderModel", "AgeModel")
         app_args["deployment_options"] = {name: share for name in models}
+    if topology == "in_process":
+        # The worker owns the models: it gets the CPU the model deployment would have had.
+        app_args["deployment_options"] = {"TransactionWorker": {"ray_actor_options": {"num_cpus": 1}}}
     return app_args
 
 

@@ -37,7 +37,7 @@ from bench.common import format_table
 from models.embedder import FUSED_DIM
 from serve_app.domain.faces import GalleryEntry
 from serve_app.embedded import EmbeddedMilvus
-from serve_app.settings import Settings
+from serve_app.settings import MilvusSettings
 from serve_app.stores.milvus_gallery import IndexPolicy, MilvusGalleryStore
 
 DIM = FUSED_DIM  # face model v2
@@ -236,7 +236,7 @@ def main() -> None:
     )
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000_000])
     parser.add_argument("--queries", type=int, default=200)
-    parser.add_argument("--flat-max-rows", type=int, default=Settings.milvus_flat_max_rows)
+    parser.add_argument("--flat-max-rows", type=int, default=MilvusSettings().flat_max_rows)
     parser.add_argument("--nprobe", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--skip-flat", action="store_true", help="skip the exact-search timings")
     parser.add_argument("--data-dir", type=Path, default=None, help="where the servers keep their data")

@@ -189,7 +189,9 @@ class AgeEstimator:
         tensor = (flat.astype(np.float32) - _CHANNEL_MEANS) / np.float32(256.0)
         tensor = np.ascontiguousarray(tensor.transpose(0, 3, 1, 2))
         (output,) = self._session.run([_OUTPUT_NAME], {_INPUT_NAME: tensor})
-        probabilities = np.asarray(output, dtype=np.float64).reshape(faces, views, _CLASSES).mean(axis=1)
+        probabilities: np.ndarray = (
+            np.asarray(output, dtype=np.float64).reshape(faces, views, _CLASSES).mean(axis=1)
+        )
         # Faces are matched to rows by position; a graph that stops returning a distribution must fail loudly.
         sums = probabilities.sum(axis=1)
         if not np.all(np.isfinite(sums)) or np.abs(sums - 1.0).max() > _PROBABILITY_SUM_TOLERANCE:

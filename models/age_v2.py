@@ -227,7 +227,9 @@ class FaceresAgeEstimator:
             return np.zeros((0, _CLASSES), dtype=np.float64)
         tensor = flat[..., ::-1].astype(np.float32) - _CAFFE_MEANS_BGR  # RGB -> BGR, Caffe means
         (output,) = self._session.run([_OUTPUT_NAME], {_INPUT_NAME: tensor})
-        probabilities = np.asarray(output, dtype=np.float64).reshape(faces, count, _CLASSES).mean(axis=1)
+        probabilities: np.ndarray = (
+            np.asarray(output, dtype=np.float64).reshape(faces, count, _CLASSES).mean(axis=1)
+        )
         sums = probabilities.sum(axis=1)
         if not np.all(np.isfinite(sums)) or np.abs(sums - 1.0).max() > _PROBABILITY_SUM_TOLERANCE:
             raise ModelFormatError(f"age network returned rows that are not distributions (sums {sums})")

@@ -47,7 +47,8 @@ from models.embedder import FaceEmbedder, FusedEmbedder, SFaceEmbedder
 from models.quality import DEFAULT_QUALITY_THRESHOLDS, QualityThresholds, assess_quality
 from models.sessions import DEFAULT_PROVIDER_PREFERENCE, SessionOptions
 from models.sface import ensure_sface_model
-from models.types import AgeEstimate, AnalyzedFace, DetectedFace, FaceQuality
+from models.types import AgeEstimate, AnalyzedFace, DetectedFace, FaceQuality, subject_index
+from models.types import largest_face as largest_face  # re-exported: callers import it from here
 from models.weights import resolve
 
 logger = logging.getLogger(__name__)
@@ -212,18 +213,6 @@ class FaceCropper:
         return self.aligner.chips(rgb, list(shapes), size, padding)
 
 
-def subject_index(faces: Sequence[DetectedFace]) -> int | None:
-    """Index of the largest box (the first of equals): the face whose age the service reports."""
-    if not faces:
-        return None
-    return max(range(len(faces)), key=lambda i: faces[i].area)
-
-
-def largest_face(faces: Sequence[AnalyzedFace]) -> AnalyzedFace | None:
-    """The face with the largest box (the first of equals), or None; the service's probe face."""
-    return max(faces, key=lambda face: face.detection.area, default=None)
-
-
 _Rows = TypeVar("_Rows", np.ndarray, list[AgeEstimate])
 
 
@@ -338,14 +327,24 @@ class FaceAnalyzer:
 
     def check(self) -> None:
         """Health check: one tiny run through every model; raises whatever a broken session raises."""
-        blank = np.zeros((64, 64, 3), dtype=np.uint8)
-        self.detector.detect([blank])
-        self.embedder.embed(
-            np.zeros((1, DESCRIPTOR_CHIP_SIZE, DESCRIPTOR_CHIP_SIZE, 3), dtype=np.uint8),
-            np.zeros((1, SFACE_CHIP_SIZE, SFACE_CHIP_SIZE, 3), dtype=np.uint8),
-        )
-        views = np.zeros((1, AGE_VIEWS_PER_FACE, AGE_INPUT_SIZE, AGE_INPUT_SIZE, 3), dtype=np.uint8)
-        self.age_estimator.estimate(views)
+        probe_detector(self.detector)
+        probe_embedder(self.embedder)
+        probe_age(self.age_estimator)
+
+
+def probe_detector(detector: FaceDetector) -> None:
+    detector.detect([np.zeros((64, 64, 3), dtype=np.uint8)])
+
+
+def probe_embedder(embedder: FusedEmbedder) -> None:
+    embedder.embed(
+        np.zeros((1, DESCRIPTOR_CHIP_SIZE, DESCRIPTOR_CHIP_SIZE, 3), dtype=np.uint8),
+        np.zeros((1, SFACE_CHIP_SIZE, SFACE_CHIP_SIZE, 3), dtype=np.uint8),
+    )
+
+
+def probe_age(estimator: FaceresAgeEstimator) -> None:
+    estimator.estimate(np.zeros((1, AGE_VIEWS_PER_FACE, AGE_INPUT_SIZE, AGE_INPUT_SIZE, 3), dtype=np.uint8))
 
 
 def load_face_analyzer(config: ModelConfig) -> FaceAnalyzer:

@@ -81,7 +81,7 @@ class FaceScoreCalibration:
 
     @staticmethod
     def fmr_for_score(score: float) -> float:
-        return 10.0 ** (-SCORE_DECADES * score)
+        return float(10.0 ** (-SCORE_DECADES * score))
 
     @staticmethod
     def min_score_for_gallery(gallery_size: int, fpir: float = DEFAULT_FPIR) -> float:

@@ -90,7 +90,8 @@ def dequantize_constant(
         scale, zero = scale.reshape(shape), zero.reshape(shape)
     else:
         scale, zero = scale.reshape(()), zero.reshape(())
-    return ((values.astype(np.float32) - zero) * scale).astype(np.float32)
+    scaled: np.ndarray = ((values.astype(np.float32) - zero) * scale).astype(np.float32)
+    return scaled
 
 
 def _fold_weight_dequantization(graph: onnx.GraphProto) -> int:

@@ -21,10 +21,10 @@ from models.sface import EMBEDDING_DIM as SFACE_DIM
 from models.sface import INPUT_NAME as SFACE_INPUT
 from models.sface import OUTPUT_NAME as SFACE_OUTPUT
 
-# Stored next to every vector, and part of the Milvus collection's name, so vectors of a different model
-# (v1: "dlib_resnet_v1", 128-d dlib descriptors) are never compared with these.
-MODEL_VERSION = "face_v2_dlib_sface"
-FUSED_DIM = 256  # 128 dlib + 128 SFace
+# The served face model's version and vector size live in models.types (no model library behind them), so
+# the ingress can name the gallery's collection without loading the models; re-exported here.
+from models.types import FUSED_DIM as FUSED_DIM
+from models.types import MODEL_VERSION as MODEL_VERSION
 
 CHIP_SHAPE = (CHIP_SIZE, CHIP_SIZE, 3)
 SFACE_CHIP_SHAPE = (SFACE_CHIP_SIZE, SFACE_CHIP_SIZE, 3)
@@ -91,7 +91,8 @@ class SFaceEmbedder:
 def unit_rows(vectors: np.ndarray) -> np.ndarray:
     """Each row scaled to length 1 (a zero row stays zero)."""
     norms = np.linalg.norm(vectors, axis=1, keepdims=True)
-    return (vectors / np.maximum(norms, 1e-12)).astype(np.float32)
+    unit: np.ndarray = (vectors / np.maximum(norms, 1e-12)).astype(np.float32)
+    return unit
 
 
 def fuse_vectors(dlib_unit: np.ndarray, sface_unit: np.ndarray, weights: tuple[float, float]) -> np.ndarray:

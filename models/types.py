@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+# Stored next to every vector, and part of the Milvus collection's name, so vectors of a different model
+# (v1: "dlib_resnet_v1", 128-d dlib descriptors) are never compared with these.
+MODEL_VERSION = "face_v2_dlib_sface"
+FUSED_DIM = 256  # 128 dlib + 128 SFace: the fused vector models.embedder produces
 
 
 @dataclass(frozen=True)
@@ -51,3 +57,16 @@ class AnalyzedFace:
     embedding: np.ndarray | None  # float32 [D], the face descriptor of models.embedder.MODEL_VERSION
     age: AgeEstimate | None
     quality: FaceQuality | None = None  # filled by the analyzer for every detected face
+
+
+# Face choice needs no model: the API side (which must not load model libraries) uses these too.
+def subject_index(faces: Sequence[DetectedFace]) -> int | None:
+    """Index of the largest box (the first of equals): the face whose age the service reports."""
+    if not faces:
+        return None
+    return max(range(len(faces)), key=lambda i: faces[i].area)
+
+
+def largest_face(faces: Sequence[AnalyzedFace]) -> AnalyzedFace | None:
+    """The face with the largest box (the first of equals), or None; the service's probe face."""
+    return max(faces, key=lambda face: face.detection.area, default=None)

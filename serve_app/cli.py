@@ -1,6 +1,7 @@
 """Command line: start the service on this machine, and manage API clients.
 
 facesearch start [--config config/serve.yaml] [--port 8000]
+facesearch backends      (embedded Redis/Milvus for `serve run`: prints their REDIS_URL / MILVUS_URI)
 facesearch clients create NAME | list | revoke CLIENT_ID
 facesearch clients update CLIENT_ID [--min-score X|default] [--max-matches N|default]
 facesearch reconcile
@@ -19,15 +20,17 @@ import dataclasses
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 import threading
 from pathlib import Path
 from typing import Any
 
-import yaml
+from pydantic import TypeAdapter, ValidationError
 
-from serve_app.settings import Settings
+from serve_app.deploy_config import load_serve_config
+from serve_app.settings import MaxMatches, MinScore, Settings
 
 logger = logging.getLogger("facesearch")
 
@@ -40,29 +43,17 @@ LOOPBACK_ENV = {
 }
 
 
-def load_serve_config(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(builder args, http options) from a Serve config YAML, with its per-deployment settings folded into
-    args["deployment_options"] so the launcher applies exactly what `serve run` would."""
-    document = yaml.safe_load(path.read_text())
-    application = document["applications"][0]
-    args = dict(application.get("args") or {})
-    deployment_options: dict[str, dict[str, Any]] = {}
-    for entry in application.get("deployments", []):
-        entry = dict(entry)
-        deployment_options[entry.pop("name")] = entry
-    args["deployment_options"] = deployment_options
-    return args, dict(document.get("http_options") or {})
-
-
 def start(config: Path, host: str, port: int | None, metrics_port: int) -> int:
     os.environ.update(LOOPBACK_ENV)
     import ray
     from ray import serve
 
-    from serve_app.graph import build_app, resolve_backends
+    from serve_app.embedded import start_embedded_backends
+    from serve_app.graph import bind_app
 
-    settings = resolve_backends(Settings.from_env())
+    # Validate the config before anything starts: a typo in it stops here, naming the key.
     args, http_options = load_serve_config(config)
+    settings = start_embedded_backends(Settings.from_env())
     ray.init(
         _node_ip_address="127.0.0.1",
         _metrics_export_port=metrics_port,
@@ -71,22 +62,38 @@ def start(config: Path, host: str, port: int | None, metrics_port: int) -> int:
         log_to_driver=True,
     )
     serve.start(http_options={"host": host, "port": port or int(http_options.get("port", 8000))})
-    serve.run(build_app(args, settings=settings), name="facesearch", route_prefix="/")
+    serve.run(bind_app(args, settings), name="facesearch", route_prefix="/")
     print(f"facesearch is serving on http://{host}:{port or http_options.get('port', 8000)}", flush=True)
     stopped = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stopped.set())
     stopped.wait()
-    serve.shutdown()
+    serve.shutdown()  # type: ignore[no-untyped-call]  # untyped in Ray
     ray.shutdown()
     return 0
 
 
-def _override(raw: str | None, kind: type[float] | type[int]) -> tuple[bool, float | int | None]:
-    """(given, value) of an --option: absent, "default" (clear it) or a number."""
+def backends(settings: Settings) -> int:
+    """Keep the embedded servers of FACESEARCH_DATA_DIR running (started here unless already live) and print
+    their addresses as shell assignments, so `serve run config/serve.yaml` can use them."""
+    from serve_app.embedded import start_embedded_backends
+
+    started = start_embedded_backends(settings)
+    print(f"export REDIS_URL={shlex.quote(str(started.redis.url))}", flush=True)
+    print(f"export MILVUS_URI={shlex.quote(str(started.milvus.uri))}", flush=True)
+    stopped = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stopped.set())
+    stopped.wait()
+    return 0  # the servers stop at exit (start_embedded_backends registered that)
+
+
+def _override(raw: str | None, bounded: TypeAdapter[Any]) -> tuple[bool, Any]:
+    """(given, value) of an --option: absent, "default" (clear it) or a value within the setting's bounds
+    (the same bounds as the service-wide setting, serve_app.settings)."""
     if raw is None:
         return False, None
-    return True, None if raw == "default" else kind(raw)
+    return True, None if raw == "default" else bounded.validate_python(raw, strict=False)
 
 
 async def _update_client(clients: Any, client_id: str, min_score: str | None, max_matches: str | None) -> int:
@@ -95,16 +102,10 @@ async def _update_client(clients: Any, client_id: str, min_score: str | None, ma
         print(f"no client {client_id}", file=sys.stderr)
         return 1
     try:
-        score_given, score = _override(min_score, float)
-        matches_given, matches = _override(max_matches, int)
-    except ValueError as error:
+        score_given, score = _override(min_score, TypeAdapter(MinScore))
+        matches_given, matches = _override(max_matches, TypeAdapter(MaxMatches))
+    except ValidationError as error:
         print(f"invalid value: {error}", file=sys.stderr)
-        return 2
-    if score is not None and not 0.0 <= score <= 1.0:
-        print("--min-score must lie in [0, 1]", file=sys.stderr)
-        return 2
-    if matches is not None and not 1 <= matches <= 100:
-        print("--max-matches must lie in 1..100", file=sys.stderr)
         return 2
     updated = await clients.update_search_settings(
         client_id,
@@ -161,9 +162,9 @@ async def _reconcile(settings: Settings) -> int:
     report = await reconcile(
         stores.records,
         gallery_store(settings),
-        LocalBlobStore(settings.blob_dir),
+        LocalBlobStore(settings.blobs),
         transactions=stores.transactions,
-        orphan_grace_s=settings.orphan_upload_grace_s,
+        orphan_grace_s=settings.retention.orphan_upload_grace_s,
         model_version=MODEL_VERSION,
     )
     print(json.dumps(dataclasses.asdict(report)))
@@ -253,10 +254,10 @@ async def _reindex(settings: Settings, tenant_id: str, state_path: Path | None) 
             tenant_id,
             records=stores.records,
             gallery=gallery,
-            blobs=LocalBlobStore(settings.blob_dir),
+            blobs=LocalBlobStore(settings.blobs),
             analysis=analysis,
             model_version=MODEL_VERSION,
-            limits=ImageLimits(settings.max_image_pixels, settings.analysis_max_side),
+            limits=ImageLimits(settings.limits.max_image_pixels, settings.models.analysis_max_side),
             state=state,
             on_face=progress.update,
         )
@@ -294,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     clients_parser.add_argument("--max-matches", help="update: matches returned (1-100), or 'default'")
     commands.add_parser(
+        "backends",
+        help="run embedded Redis/Milvus for `serve run` until interrupted; prints REDIS_URL and MILVUS_URI",
+    )
+    commands.add_parser(
         "reconcile", help="repair faces present in only one of Redis and Milvus; sweep orphaned blobs"
     )
     enroll_parser = commands.add_parser(
@@ -327,9 +332,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if options.command == "start":
         return start(options.config, options.host, options.port, options.metrics_port)
-    from serve_app.graph import resolve_backends
+    if options.command == "backends":
+        return backends(Settings.from_env())
+    from serve_app.embedded import start_embedded_backends
 
-    settings = resolve_backends(Settings.from_env())
+    settings = start_embedded_backends(Settings.from_env())
     if options.command == "clients":
         return asyncio.run(
             _clients(settings, options.action, options.value, options.min_score, options.max_matches)

@@ -17,6 +17,7 @@ server belongs to whoever started it and is left running.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import json
@@ -30,6 +31,10 @@ import subprocess
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from serve_app.settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -494,3 +499,24 @@ class EmbeddedServices:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def start_embedded_backends(settings: Settings) -> Settings:
+    """Start embedded redis-server / milvus-lite (bound to 127.0.0.1) for whichever address the settings
+    leave unset, and return the settings with both addresses. Called explicitly by the launcher
+    (`facesearch start`, `facesearch backends`, the CLI's admin commands), never by building the
+    application: Serve builds it in a short-lived task, which is no owner for a server.
+
+    Started servers belong to the calling process and stop when it exits; a live server left by an earlier
+    run in the same data dir is reused.
+    """
+    if settings.redis.url and settings.milvus.uri:
+        return settings
+    services = EmbeddedServices(
+        settings.data_dir, redis=settings.redis.url is None, milvus=settings.milvus.uri is None
+    )
+    services.start()
+    atexit.register(services.stop)
+    return settings.with_backends(
+        settings.redis.url or services.redis_url, settings.milvus.uri or services.milvus_uri
+    )

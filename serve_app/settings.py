@@ -1,4 +1,10 @@
-"""Service configuration, read once from the environment by each process that needs it.
+"""Service configuration: one pydantic-settings model, read from the environment by each process that
+needs it.
+
+Every operational knob is a field below, in a group; its default is written here once and its environment
+variable is derived from the group's prefix (or named by an alias where an older name must keep working).
+The README's configuration table is generated from these fields (`python -m serve_app.settings`), and a unit
+test keeps the two equal.
 
 Every deployment builds its own Settings in its constructor (no module-level singletons); the launcher and
 the Serve config pass the same environment to all of them.
@@ -7,154 +13,288 @@ the Serve config pass the same environment to all of them.
 from __future__ import annotations
 
 import ipaddress
-import json
 import os
 import secrets
-from dataclasses import dataclass, field
+import sys
 from pathlib import Path
+from typing import Annotated, ClassVar
+
+from pydantic import Field, StrictFloat, StrictInt, field_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+# Bounds shared by the service-wide setting and the per-tenant override (`facesearch clients update`).
+MinScore = Annotated[float, Field(ge=0.0, le=1.0)]
+MaxMatches = Annotated[int, Field(ge=1, le=100)]
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    return default if raw in (None, "") else int(raw)
+class _Group(BaseSettings):
+    # Empty variables mean "unset", as they always did; the names are the public contract (README). Each
+    # group says only its prefix; the rest is inherited.
+    model_config = SettingsConfigDict(
+        env_prefix="FACESEARCH_", env_ignore_empty=True, extra="forbid", frozen=True, populate_by_name=True
+    )
 
 
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    return default if raw in (None, "") else float(raw)
+class RedisSettings(_Group):
+    model_config = SettingsConfigDict(env_prefix="FACESEARCH_REDIS_")
+
+    url: str | None = Field(
+        None,
+        validation_alias="REDIS_URL",
+        description="a real server, with its credentials: `redis://:password@redis:6379/0`, with an ACL "
+        "user `redis://user:password@redis:6379/0`, over TLS `rediss://user:password@redis:6380/0`; "
+        "the master of a Sentinel group, followed across failovers: "
+        "`redis+sentinel://:password@s1:26379,s2:26379,s3:26379/service_name[/db]` (TLS to the master: "
+        '`rediss+sentinel://`; sentinels with a password: `?sentinel_password=...`; see "Redis with '
+        'failover"); unset: embedded redis-server on 127.0.0.1 with a generated password '
+        "(`facesearch start`)",
+    )
+    # Every wait_for_result waiter holds a connection (BLPOP): well above the ingress' max_ongoing_requests.
+    pool_size: int = Field(1024, ge=1, description="connections per process (each long poll holds one)")
+    key_prefix: str = Field("fs:", validation_alias="FACESEARCH_KEY_PREFIX", description="Redis key prefix")
+    wait_replicas: int | None = Field(
+        None,
+        ge=0,
+        description="replicas that must hold a new transaction before its reference_id is returned (Redis "
+        "`WAIT`); unset: 1 with a `redis+sentinel://` URL (a replica exists), else 0",
+    )
+    wait_timeout_ms: int = Field(
+        1000, ge=1, description="how long a create waits for those replicas before answering 503"
+    )
 
 
-def _env_networks(name: str) -> tuple[str, ...]:
-    """Comma-separated CIDRs (or single addresses), normalised; a malformed one stops start-up."""
-    networks = []
-    for item in (os.environ.get(name) or "").split(","):
-        if item.strip():
-            try:
-                networks.append(str(ipaddress.ip_network(item.strip(), strict=False)))
-            except ValueError:
-                raise RuntimeError(f"{name}: {item.strip()!r} is not an IP address or CIDR") from None
-    return tuple(networks)
+class MilvusSettings(_Group):
+    model_config = SettingsConfigDict(env_prefix="FACESEARCH_MILVUS_")
+
+    uri: str | None = Field(
+        None,
+        validation_alias="MILVUS_URI",
+        description="e.g. `http://milvus:19530`; unset: embedded milvus-lite server on 127.0.0.1 "
+        "(`facesearch start`)",
+    )
+    token: str = Field("", validation_alias="MILVUS_TOKEN", description="Milvus credentials")
+    timeout_s: float = Field(10.0, gt=0, description="deadline of one Milvus call")
+    flat_max_rows: int = Field(
+        200_000,
+        ge=0,
+        description="exact (FLAT) search up to this many vectors per collection; the insert that crosses "
+        'it switches the collection to the large index (see "Milvus at scale")',
+    )
+    large_index: str = Field(
+        "", description="`IVF_FLAT` or `HNSW`; unset: HNSW on a Milvus server, FLAT kept on milvus-lite"
+    )
+    # JSON objects of numbers in the environment; strict, so a quoted number or a boolean stops start-up.
+    index_params: dict[str, StrictInt | StrictFloat] = Field(
+        default_factory=dict,
+        description="JSON, overrides the large index's build parameters key by key; defaults: IVF_FLAT "
+        '`{"nlist": 1024}`, HNSW `{"M": 16, "efConstruction": 200}`',
+    )
+    search_params: dict[str, StrictInt | StrictFloat] = Field(
+        default_factory=dict,
+        description="JSON, search parameters of the large index (`nprobe` for IVF_FLAT, `ef` for HNSW); "
+        'defaults: `{"nprobe": 32, "ef": 128}`',
+    )
+
+    @field_validator("large_index")
+    @classmethod
+    def _upper(cls, value: str) -> str:
+        return value.upper()
 
 
-def _env_numbers(name: str) -> dict[str, int | float]:
-    """A JSON object of numbers, e.g. {"nprobe": 48}; anything else stops start-up."""
-    raw = os.environ.get(name) or "{}"
-    try:
-        value = json.loads(raw)
-    except ValueError:
-        raise RuntimeError(f"{name}: not JSON: {raw!r}") from None
-    if not isinstance(value, dict) or not all(
-        isinstance(v, int | float) and not isinstance(v, bool) for v in value.values()
-    ):
-        raise RuntimeError(f"{name}: expected a JSON object of numbers, got {raw!r}")
-    return {str(key): number for key, number in value.items()}
+class AuthSettings(_Group):
+    model_config = SettingsConfigDict(env_prefix="FACESEARCH_")
+
+    secret_key: str = Field(
+        "",
+        description="signs tokens and peppers secret hashes; unset: generated once into the data dir "
+        "(development only)",
+    )
+    access_token_ttl_s: int = Field(900, ge=1, description="access-token lifetime")
+    proof_ttl_s: int = Field(900, ge=1, description="proof-URL lifetime (the interface says 15 minutes)")
+    login_failures_per_window: int = Field(
+        10, ge=1, description="login attempts per (client_id, source) before the back-off starts"
+    )
+    login_window_s: int = Field(
+        300, ge=1, description="seconds without an attempt after which failed logins are forgotten"
+    )
+    login_backoff_max_s: int = Field(
+        900, ge=1, description="the longest wait between login attempts (the wait doubles from 1 s)"
+    )
 
 
-@dataclass(frozen=True)
-class Settings:
-    data_dir: Path
-    redis_url: str | None  # None: the launcher starts an embedded redis-server
-    milvus_uri: str | None  # None: the launcher starts an embedded milvus-lite server
-    milvus_token: str
-    secret_key: str  # signs access and proof tokens; peppers client-secret hashes
-    production: bool
-    public_base_url: str | None  # base of proof URLs; None: taken from each request
-    access_token_ttl_s: int = 900
-    proof_ttl_s: int = 900  # the interface fixes proof URLs at 15 minutes
-    max_upload_bytes: int = 10 * 1024 * 1024
-    max_image_pixels: int = 40_000_000
-    analysis_max_side: int = 1920  # larger images are downscaled before detection
-    wait_for_result_timeout_s: float = 10.0
-    login_failures_per_window: int = 10  # per (client_id, source): attempts before the back-off starts
-    login_window_s: int = 300  # failed attempts are forgotten this long after the last one
-    login_backoff_max_s: int = 900  # the doubling wait between attempts stops growing here
-    unauthenticated_per_minute: int = 300  # per source: logins and requests whose credentials fail
-    trusted_proxies: tuple[str, ...] = ()  # CIDRs whose X-Forwarded-For is believed
-    requests_per_minute: int = 6000  # per client (tenant)
-    max_matches: int = 10
-    # None: calibrated per tenant for its gallery size (models.calibration.min_score_for_gallery).
-    match_min_score: float | None = None
-    worker_concurrency: int = 32  # transactions in flight per worker replica
-    stale_after_s: float = 30.0  # a claimed transaction unacknowledged this long is reclaimed
-    max_deliveries: int = 5  # after this many attempts a transaction is failed, not retried forever
-    model_call_timeout_s: float = 10.0  # one analysis call; a hung model call must not pin a worker slot
-    transaction_retention_s: int = 30 * 24 * 3600  # final transactions expire after this; 0 keeps them
-    orphan_upload_grace_s: int = 3600  # unreferenced blobs older than this are swept by reconciliation
-    # Replicas that must hold a new transaction before its reference_id is returned (Redis WAIT), and how
-    # long to wait for them; None: 1 with a redis+sentinel:// URL (a replica exists), else 0.
-    redis_wait_replicas: int | None = None
-    redis_wait_timeout_ms: int = 1000
-    # Milvus index policy: exact FLAT search up to this many vectors per collection, then the large index.
-    milvus_flat_max_rows: int = 200_000
-    milvus_large_index: str = ""  # IVF_FLAT or HNSW; "": HNSW on a Milvus server, FLAT kept on milvus-lite
-    milvus_index_params: dict[str, int | float] = field(default_factory=dict)  # e.g. {"nlist": 2048}
-    milvus_search_params: dict[str, int | float] = field(default_factory=dict)  # e.g. {"nprobe": 48}
-    key_prefix: str = "fs:"
-    blob_dir: Path = field(default_factory=lambda: Path("var/blobs"))
+class LimitSettings(_Group):
+    model_config = SettingsConfigDict(env_prefix="FACESEARCH_")
+
+    max_upload_bytes: int = Field(10 * 1024 * 1024, ge=1, description="request body limit (413)")
+    max_image_pixels: int = Field(40_000_000, ge=1, description="decoded image limit (413)")
+    requests_per_minute: int = Field(6000, ge=1, description="per client")
+    unauthenticated_per_minute: int = Field(
+        300, ge=1, description="per source address: logins and requests whose credentials or proof URL fail"
+    )
+    wait_for_result_timeout_s: float = Field(
+        10.0, gt=0, description="bound of `wait_for_result=1` and of `Prefer: wait`"
+    )
+
+
+class HttpSettings(_Group):
+    model_config = SettingsConfigDict(env_prefix="FACESEARCH_")
+
+    public_base_url: str | None = Field(
+        None, description="base of proof URLs behind a proxy; unset: taken from each request"
+    )
+    trusted_proxies: Annotated[tuple[str, ...], NoDecode] = Field(
+        (),
+        description="comma-separated CIDRs of reverse proxies whose `X-Forwarded-For` is believed, "
+        "e.g. `10.0.0.0/8,192.168.1.5`",
+    )
+
+    @field_validator("public_base_url")
+    @classmethod
+    def _strip_slash(cls, value: str | None) -> str | None:
+        return value.rstrip("/") or None if value else None
+
+    @field_validator("trusted_proxies", mode="before")
+    @classmethod
+    def _networks(cls, value: object) -> tuple[str, ...]:
+        """Comma-separated CIDRs (or single addresses), normalised; a malformed one stops start-up."""
+        items = value.split(",") if isinstance(value, str) else list(value)  # type: ignore[call-overload]
+        networks = []
+        for item in (str(entry).strip() for entry in items):
+            if item:
+                try:
+                    networks.append(str(ipaddress.ip_network(item, strict=False)))
+                except ValueError:
+                    raise ValueError(f"{item!r} is not an IP address or CIDR") from None
+        return tuple(networks)
+
+
+class SearchSettings(_Group):
+    model_config = SettingsConfigDict(env_prefix="FACESEARCH_")
+
+    max_matches: MaxMatches = Field(
+        10, description="matches returned; a tenant's `--max-matches` comes first"
+    )
+    match_min_score: MinScore | None = Field(
+        None,
+        description="minimum match score; unset: calibrated per tenant for its gallery size (FPIR ≤ 1 %); "
+        "a tenant's `--min-score` comes first",
+    )
+
+
+class ModelSettings(_Group):
+    model_config = SettingsConfigDict(env_prefix="FACESEARCH_")
+
+    analysis_max_side: int = Field(1920, ge=64, description="larger images are downscaled before detection")
+    model_call_timeout_s: float = Field(
+        10.0, gt=0, description="deadline of one model (analysis) call; a call past it is a failed attempt"
+    )
+
+
+class WorkerSettings(_Group):
+    model_config = SettingsConfigDict(env_prefix="FACESEARCH_WORKER_")
+
+    # The deployment's user_config may override the first three on running replicas.
+    concurrency: int = Field(32, ge=1, description="transactions in flight per worker replica")
+    stale_after_s: float = Field(
+        30.0,
+        gt=0,
+        validation_alias="FACESEARCH_STALE_AFTER_S",
+        description="a claimed transaction whose worker stopped renewing its lease is reclaimed after this",
+    )
+    max_deliveries: int = Field(
+        5,
+        ge=1,
+        validation_alias="FACESEARCH_MAX_DELIVERIES",
+        description="attempts before a transaction that keeps failing is marked `failed`",
+    )
+    reconcile_every_s: float = Field(
+        600.0, gt=0, description="how often each worker repairs Redis/Milvus drift and sweeps orphaned blobs"
+    )
+    metrics_every_s: float = Field(5.0, gt=0, description="how often each worker exports its queue gauges")
+
+
+class RetentionSettings(_Group):
+    model_config = SettingsConfigDict(env_prefix="FACESEARCH_")
+
+    transaction_retention_s: int = Field(
+        30 * 24 * 3600,
+        ge=0,
+        description="finished transactions expire this long after they became final (`/result` then "
+        "answers 422 as for an unknown id); 0 keeps them",
+    )
+    done_signal_ttl_s: int = Field(
+        60, ge=1, description="how long a transaction's completion signal outlives it, for slow waiters"
+    )
+    orphan_upload_grace_s: int = Field(
+        3600,
+        ge=0,
+        description="blobs that no queued transaction and no face record refers to are deleted by "
+        "reconciliation once this old",
+    )
+
+
+class Settings(_Group):
+    model_config = SettingsConfigDict(env_prefix="FACESEARCH_")
+
+    data_dir: Path = Field(Path("var"), description="embedded Redis/Milvus data, blobs, development secret")
+    blob_dir: Path | None = Field(
+        None, description="proof images (a shared volume on a cluster); unset: `$FACESEARCH_DATA_DIR/blobs`"
+    )
+    env: str = Field("development", description="`production` requires `FACESEARCH_SECRET_KEY`")
+    redis: RedisSettings = Field(default_factory=RedisSettings)
+    milvus: MilvusSettings = Field(default_factory=MilvusSettings)
+    auth: AuthSettings = Field(default_factory=AuthSettings)
+    limits: LimitSettings = Field(default_factory=LimitSettings)
+    http: HttpSettings = Field(default_factory=HttpSettings)
+    search: SearchSettings = Field(default_factory=SearchSettings)
+    models: ModelSettings = Field(default_factory=ModelSettings)
+    worker: WorkerSettings = Field(default_factory=WorkerSettings)
+    retention: RetentionSettings = Field(default_factory=RetentionSettings)
+
+    # Read by models.convert itself (models/ knows nothing of this service); listed in the README table.
+    EXTERNAL_VARIABLES: ClassVar[dict[str, tuple[str, str]]] = {
+        "FACESEARCH_MODELS_DIR": (
+            "`~/.cache/facesearch/models`",
+            "converted ONNX models, and the age model's verified npm files (`npm/`)",
+        ),
+    }
+
+    @property
+    def production(self) -> bool:
+        return self.env.lower() == "production"
+
+    @property
+    def blobs(self) -> Path:
+        return self.blob_dir or self.data_dir / "blobs"
 
     @classmethod
     def from_env(cls) -> Settings:
-        data_dir = Path(os.environ.get("FACESEARCH_DATA_DIR", "var")).resolve()
-        production = os.environ.get("FACESEARCH_ENV", "development").lower() == "production"
-        secret_key = os.environ.get("FACESEARCH_SECRET_KEY") or ""
-        if not secret_key:
-            if production:
+        """Read the environment; resolve the data dir, and outside production the development secret."""
+        settings = cls()
+        data_dir = settings.data_dir.resolve()
+        auth = settings.auth
+        if not auth.secret_key:
+            if settings.production:
                 raise RuntimeError("FACESEARCH_SECRET_KEY must be set when FACESEARCH_ENV=production")
-            secret_key = _development_secret(data_dir)
-        return cls(
-            data_dir=data_dir,
-            redis_url=os.environ.get("REDIS_URL") or None,
-            milvus_uri=os.environ.get("MILVUS_URI") or None,
-            milvus_token=os.environ.get("MILVUS_TOKEN", ""),
-            secret_key=secret_key,
-            production=production,
-            public_base_url=(os.environ.get("FACESEARCH_PUBLIC_BASE_URL") or "").rstrip("/") or None,
-            access_token_ttl_s=_env_int("FACESEARCH_ACCESS_TOKEN_TTL_S", 900),
-            proof_ttl_s=_env_int("FACESEARCH_PROOF_TTL_S", 900),
-            max_upload_bytes=_env_int("FACESEARCH_MAX_UPLOAD_BYTES", 10 * 1024 * 1024),
-            max_image_pixels=_env_int("FACESEARCH_MAX_IMAGE_PIXELS", 40_000_000),
-            analysis_max_side=_env_int("FACESEARCH_ANALYSIS_MAX_SIDE", 1920),
-            wait_for_result_timeout_s=_env_float("FACESEARCH_WAIT_FOR_RESULT_TIMEOUT_S", 10.0),
-            login_failures_per_window=_env_int("FACESEARCH_LOGIN_FAILURES_PER_WINDOW", 10),
-            login_window_s=_env_int("FACESEARCH_LOGIN_WINDOW_S", 300),
-            login_backoff_max_s=_env_int("FACESEARCH_LOGIN_BACKOFF_MAX_S", 900),
-            unauthenticated_per_minute=_env_int("FACESEARCH_UNAUTHENTICATED_PER_MINUTE", 300),
-            trusted_proxies=_env_networks("FACESEARCH_TRUSTED_PROXIES"),
-            requests_per_minute=_env_int("FACESEARCH_REQUESTS_PER_MINUTE", 6000),
-            max_matches=_env_int("FACESEARCH_MAX_MATCHES", 10),
-            match_min_score=(
-                _env_float("FACESEARCH_MATCH_MIN_SCORE", 0.5)
-                if os.environ.get("FACESEARCH_MATCH_MIN_SCORE")
-                else None
-            ),
-            worker_concurrency=_env_int("FACESEARCH_WORKER_CONCURRENCY", 32),
-            stale_after_s=_env_float("FACESEARCH_STALE_AFTER_S", 30.0),
-            max_deliveries=_env_int("FACESEARCH_MAX_DELIVERIES", 5),
-            transaction_retention_s=_env_int(
-                "FACESEARCH_TRANSACTION_RETENTION_S", cls.transaction_retention_s
-            ),
-            orphan_upload_grace_s=_env_int("FACESEARCH_ORPHAN_UPLOAD_GRACE_S", cls.orphan_upload_grace_s),
-            model_call_timeout_s=_env_float("FACESEARCH_MODEL_CALL_TIMEOUT_S", cls.model_call_timeout_s),
-            redis_wait_replicas=(
-                _env_int("FACESEARCH_REDIS_WAIT_REPLICAS", 0)
-                if os.environ.get("FACESEARCH_REDIS_WAIT_REPLICAS")
-                else None
-            ),
-            redis_wait_timeout_ms=_env_int("FACESEARCH_REDIS_WAIT_TIMEOUT_MS", cls.redis_wait_timeout_ms),
-            milvus_flat_max_rows=_env_int("FACESEARCH_MILVUS_FLAT_MAX_ROWS", cls.milvus_flat_max_rows),
-            milvus_large_index=os.environ.get("FACESEARCH_MILVUS_LARGE_INDEX", "").upper(),
-            milvus_index_params=_env_numbers("FACESEARCH_MILVUS_INDEX_PARAMS"),
-            milvus_search_params=_env_numbers("FACESEARCH_MILVUS_SEARCH_PARAMS"),
-            key_prefix=os.environ.get("FACESEARCH_KEY_PREFIX", "fs:"),
-            blob_dir=Path(os.environ.get("FACESEARCH_BLOB_DIR") or data_dir / "blobs"),
+            auth = auth.model_copy(update={"secret_key": _development_secret(data_dir)})
+        return settings.model_copy(update={"data_dir": data_dir, "auth": auth})
+
+    def with_backends(self, redis_url: str | None, milvus_uri: str | None) -> Settings:
+        """These settings with the given backend addresses (those of started embedded servers)."""
+        return self.model_copy(
+            update={
+                "redis": self.redis.model_copy(update={"url": redis_url}),
+                "milvus": self.milvus.model_copy(update={"uri": milvus_uri}),
+            }
         )
 
 
 def wait_replicas(settings: Settings) -> int:
-    """Replicas a new transaction must reach (see Settings.redis_wait_replicas)."""
-    if settings.redis_wait_replicas is not None:
-        return settings.redis_wait_replicas
-    scheme = (settings.redis_url or "").split("://", 1)[0]
+    """Replicas a new transaction must reach (see RedisSettings.wait_replicas)."""
+    if settings.redis.wait_replicas is not None:
+        return settings.redis.wait_replicas
+    scheme = (settings.redis.url or "").split("://", 1)[0]
     return 1 if scheme.endswith("+sentinel") else 0
 
 
@@ -170,3 +310,50 @@ def _development_secret(data_dir: Path) -> str:
     with os.fdopen(fd, "w") as handle:
         handle.write(key)
     return key
+
+
+# --- the README's configuration table, generated from the fields above ---------------------------------
+
+
+def _variable(model: type[BaseSettings], name: str, field: FieldInfo) -> str:
+    # An alias is an environment name that predates the group's prefix (the field name still works as a
+    # keyword argument: populate_by_name).
+    if isinstance(field.validation_alias, str):
+        return field.validation_alias
+    return f"{model.model_config.get('env_prefix', '')}{name}".upper()
+
+
+def _default(field: FieldInfo) -> str:
+    value = field.get_default(call_default_factory=False)
+    if value is None or value == () or value == "":
+        return "unset"
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return f"`{value}`"
+
+
+def environment_variables() -> list[tuple[str, str, str]]:
+    """(variable, default, meaning) for every setting, in model order, then the external ones."""
+    rows: list[tuple[str, str, str]] = []
+
+    def walk(model: type[BaseSettings]) -> None:
+        for name, field in model.model_fields.items():
+            annotation = field.annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseSettings):
+                walk(annotation)
+            else:
+                rows.append((_variable(model, name, field), _default(field), field.description or ""))
+
+    walk(Settings)
+    rows.extend((name, default, meaning) for name, (default, meaning) in Settings.EXTERNAL_VARIABLES.items())
+    return rows
+
+
+def markdown_table() -> str:
+    lines = ["| Variable | Default | Meaning |", "|---|---|---|"]
+    lines += [f"| `{name}` | {default} | {meaning} |" for name, default, meaning in environment_variables()]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(markdown_table())

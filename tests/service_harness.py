@@ -11,7 +11,6 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import asyncio
 import contextlib
-import dataclasses
 import os
 import socket
 import time
@@ -89,7 +88,7 @@ def running_service(
     import ray
     from ray import serve
 
-    from serve_app.graph import build_app
+    from serve_app.graph import bind_app
 
     ray_tmp = Path(f"/tmp/ray-{os.getpid()}")
     ray_tmp.mkdir(parents=True, exist_ok=True)
@@ -99,9 +98,7 @@ def running_service(
     embedded = EmbeddedServices(data_dir)
     embedded.start()
     try:
-        settings = dataclasses.replace(
-            Settings.from_env(), redis_url=embedded.redis_url, milvus_uri=embedded.milvus_uri
-        )
+        settings = Settings.from_env().with_backends(embedded.redis_url, embedded.milvus_uri)
         port = free_port()
         metrics_port = free_port()
         ray.init(
@@ -114,7 +111,7 @@ def running_service(
         )
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         base_url = f"http://127.0.0.1:{port}"
-        _deploy(build_app(args or {}, settings=settings), start_timeout_s)
+        _deploy(bind_app(args or {}, settings), start_timeout_s)
         _wait_ready(base_url, start_timeout_s)
         yield RunningService(
             base_url=base_url,

@@ -4,13 +4,15 @@ a model and never holds work that could be lost."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import FastAPI
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.api.app import create_app
+from serve_app.api_wiring import build_api_services
 from serve_app.settings import Settings
-from serve_app.wiring import build_api_services
 
 
 # Ray Serve's documented ingress decorator, in the form its docstring (ray 2.60, serve/api.py `ingress`)
@@ -23,7 +25,7 @@ from serve_app.wiring import build_api_services
 @serve.deployment(max_ongoing_requests=256, health_check_period_s=10, ray_actor_options={"num_cpus": 0.25})
 @serve.ingress()
 class ApiIngress:
-    def __init__(self, settings: Settings, worker: DeploymentHandle | None = None) -> None:
+    def __init__(self, settings: Settings, worker: DeploymentHandle[Any] | None = None) -> None:
         # The worker handle is held only so the worker deployment is part of the application graph.
         self._worker = worker
         self._services = build_api_services(settings)

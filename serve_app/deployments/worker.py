@@ -13,10 +13,10 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from models.embedder import MODEL_VERSION
-from models.types import AnalyzedFace
-from serve_app.deployments.analysis import SplitAnalysis
+from serve_app.deploy_config import WorkerConfig
+from serve_app.deployments.analysis import FusedAnalysis, InProcessAnalysis, SplitAnalysis
 from serve_app.deployments.metrics import WorkerMetrics
-from serve_app.deployments.models import AnalysisRequest
+from serve_app.deployments.models import RunnerBatcher
 from serve_app.pipelines.analysis import FaceAnalysisBackend
 from serve_app.pipelines.reconcile import reconcile
 from serve_app.settings import Settings
@@ -24,20 +24,6 @@ from serve_app.stores.blobs import LocalBlobStore
 from serve_app.wiring import build_worker, gallery_store, worker_policy
 
 logger = logging.getLogger(__name__)
-RECONCILE_EVERY_S = 600.0
-
-
-class FusedAnalysis:
-    """Analysis by the single FaceAnalysisModel deployment: one hop, the decoded image crosses it."""
-
-    def __init__(self, handle: DeploymentHandle) -> None:
-        self._handle = handle
-
-    async def analyze(self, image: Any, *, embed: bool, estimate_age: bool) -> list[AnalyzedFace]:
-        faces: list[AnalyzedFace] = await self._handle.analyze.remote(
-            AnalysisRequest(image, embed, estimate_age)
-        )
-        return faces
 
 
 @serve.deployment(
@@ -47,19 +33,26 @@ class TransactionWorker:
     def __init__(
         self,
         settings: Settings,
-        analysis_model: DeploymentHandle | None = None,
-        detector: DeploymentHandle | None = None,
-        embedder: DeploymentHandle | None = None,
-        age: DeploymentHandle | None = None,
+        analysis_model: DeploymentHandle[Any] | None = None,
+        detector: DeploymentHandle[Any] | None = None,
+        embedder: DeploymentHandle[Any] | None = None,
+        age: DeploymentHandle[Any] | None = None,
         model_config: dict[str, Any] | None = None,
+        in_process: bool = False,
     ) -> None:
         analysis: FaceAnalysisBackend
-        if analysis_model is not None:
+        # In process: this replica owns the models (CPU topology without the worker->model hop).
+        self._models = RunnerBatcher("analysis", model_config) if in_process else None
+        if self._models is not None:
+            analysis = InProcessAnalysis(self._models)
+        elif analysis_model is not None:
             analysis = FusedAnalysis(analysis_model)
         elif detector is not None and embedder is not None and age is not None:
             analysis = SplitAnalysis(detector, embedder, age, model_config or {})
         else:
-            raise ValueError("TransactionWorker needs either analysis_model or detector, embedder and age")
+            raise ValueError(
+                "TransactionWorker needs in_process, analysis_model, or detector, embedder and age"
+            )
         self._settings = settings
         self._consumer = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._metrics = WorkerMetrics()
@@ -78,7 +71,10 @@ class TransactionWorker:
         ]
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
-        self._worker.update_policy(worker_policy(self._settings, dict(user_config or {})))
+        # Unknown keys fail the deploy (the replica does not start), naming the key.
+        self._worker.update_policy(
+            worker_policy(self._settings, WorkerConfig.model_validate(user_config or {}))
+        )
 
     async def _report(self) -> None:
         while not self._stop.is_set():
@@ -90,20 +86,20 @@ class TransactionWorker:
                 )
             except Exception as error:  # metrics must never stop the worker
                 logger.debug("metrics update failed: %r", error)
-            await asyncio.sleep(5)
+            await asyncio.sleep(self._settings.worker.metrics_every_s)
 
     async def _reconcile_periodically(self) -> None:
         gallery = gallery_store(self._settings)
-        blobs = LocalBlobStore(self._settings.blob_dir)
+        blobs = LocalBlobStore(self._settings.blobs)
         while not self._stop.is_set():
-            await asyncio.sleep(RECONCILE_EVERY_S)
+            await asyncio.sleep(self._settings.worker.reconcile_every_s)
             try:
                 report = await reconcile(
                     self._stores.records,
                     gallery,
                     blobs,
                     transactions=self._stores.transactions,
-                    orphan_grace_s=self._settings.orphan_upload_grace_s,
+                    orphan_grace_s=self._settings.retention.orphan_upload_grace_s,
                     model_version=MODEL_VERSION,
                 )
                 logger.info("reconciliation: %s", report)
@@ -116,6 +112,8 @@ class TransactionWorker:
         loop_task = self._tasks[0]
         if loop_task.done():
             raise RuntimeError(f"worker loop stopped: {loop_task.exception()!r}")
+        if self._models is not None:
+            await self._models.check()
 
     async def status(self) -> dict[str, Any]:
         return {

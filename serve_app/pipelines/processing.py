@@ -16,9 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from models.age_policy import subject_age
-from models.analyzer import largest_face
 from models.calibration import DEFAULT_FPIR, FaceScoreCalibration
-from models.types import AnalyzedFace, FaceQuality
+from models.types import AnalyzedFace, FaceQuality, largest_face
 from serve_app.domain.errors import ServiceError
 from serve_app.domain.faces import FaceRecord, GalleryEntry
 from serve_app.domain.outcomes import (

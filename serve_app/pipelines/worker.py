@@ -25,9 +25,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class WorkerPolicy:
-    concurrency: int = 32
-    stale_after_s: float = 30.0
-    max_deliveries: int = 5
+    # The operational three come from Settings.worker (their defaults live there, once).
+    concurrency: int
+    stale_after_s: float
+    max_deliveries: int
     claim_block_ms: int = 1000
     reclaim_every_s: float = 5.0
     backoff_s: float = 1.0

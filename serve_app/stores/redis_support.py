@@ -133,7 +133,8 @@ def connect_redis(
     }
     if target.sentinel_password:
         sentinel_options["password"] = target.sentinel_password
-    sentinel = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel_options)
+    # redis-py's Sentinel constructor carries no annotations.
+    sentinel = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel_options)  # type: ignore[no-untyped-call]
     master: Redis = sentinel.master_for(
         target.service_name,
         redis_class=Redis,

@@ -55,7 +55,7 @@ WAIT_FALSE: list[Any] = ["0"]
 SUBTYPES = ["jpeg", "jpg", "pjpeg", "png", "JPEG", "PNG"]
 
 # Any Unicode scalar value from U+0020 up: every plane, 4-byte UTF-8 included; no surrogates (not UTF-8).
-REFERENCE_TEXT = st.characters(min_codepoint=0x20, max_codepoint=0x10FFFF, exclude_categories=("Cs",))
+REFERENCE_TEXT = st.characters(min_codepoint=0x20, max_codepoint=0x10FFFF, exclude_categories=["Cs"])
 REFERENCES = st.text(REFERENCE_TEXT, min_size=5, max_size=255)
 
 

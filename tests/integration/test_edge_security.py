@@ -23,7 +23,7 @@ from serve_app.api.app import create_app
 from serve_app.domain.errors import BackendUnavailable
 from serve_app.domain.outcomes import FaceSearchOutcome
 from serve_app.embedded import EmbeddedRedis, EmbeddedServices
-from serve_app.settings import Settings
+from serve_app.settings import AuthSettings, HttpSettings, MilvusSettings, RedisSettings, Settings
 from serve_app.stores.redis_support import connect_redis
 from serve_app.wiring import build_api_services, redis_stores
 from tests.backend_text import assert_no_backend_text
@@ -56,20 +56,17 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedS
         services.stop()
 
 
-def settings_for(server: EmbeddedServices, tmp_path: Path, **changes: object) -> Settings:
-    values: dict[str, object] = {
-        "data_dir": tmp_path,
-        "redis_url": server.redis_url,
-        "milvus_uri": None,
-        "milvus_token": "",
-        "secret_key": "edge-test-secret-0123456789abcdefghijklmnopqrstuvwxyz",
-        "production": False,
-        "public_base_url": None,
-        "blob_dir": tmp_path / "blobs",
-        "key_prefix": f"e{tmp_path.name[-6:]}:",
-    }
-    values.update(changes)
-    return Settings(**values)  # type: ignore[arg-type]
+def settings_for(server: EmbeddedServices, tmp_path: Path, **auth: int) -> Settings:
+    return Settings(
+        data_dir=tmp_path,
+        blob_dir=tmp_path / "blobs",
+        redis=RedisSettings(url=server.redis_url, key_prefix=f"e{tmp_path.name[-6:]}:"),
+        milvus=MilvusSettings(uri=None, token=""),
+        auth=AuthSettings(secret_key="edge-test-secret-0123456789abcdefghijklmnopqrstuvwxyz").model_copy(
+            update=auth
+        ),
+        http=HttpSettings(public_base_url=None),
+    )
 
 
 @dataclass
@@ -151,7 +148,7 @@ def test_every_redis_key_belongs_to_exactly_one_documented_family(
 
     async def scenario() -> None:
         settings = settings_for(redis_server, tmp_path)
-        p = re.escape(settings.key_prefix)
+        p = re.escape(settings.redis.key_prefix)
         async with edge(settings) as e:
             reference_id = await create_search(e)
             stores = redis_stores(settings)
@@ -165,12 +162,15 @@ def test_every_redis_key_belongs_to_exactly_one_documented_family(
                 "clients": rf"{p}clients",
                 "rl": rf"{p}rl:[0-9a-f]{{64}}",
             }
-            redis = connect_redis(str(settings.redis_url))
+            redis = connect_redis(str(settings.redis.url))
             try:
-                keys = [key async for key in redis.scan_iter(match=f"{settings.key_prefix}*")]
+                keys = [key async for key in redis.scan_iter(match=f"{settings.redis.key_prefix}*")]
             finally:
                 await redis.aclose()
-            assert {f"{settings.key_prefix}sys:tx-queue", f"{settings.key_prefix}sys:tx-counts"} <= set(keys)
+            assert {
+                f"{settings.redis.key_prefix}sys:tx-queue",
+                f"{settings.redis.key_prefix}sys:tx-counts",
+            } <= set(keys)
             for key in keys:
                 matching = [name for name, pattern in families.items() if re.fullmatch(pattern, key)]
                 assert len(matching) == 1, (key, matching)
@@ -200,11 +200,11 @@ def test_backend_failures_answer_a_fixed_message_and_log_the_details(
         async with edge(settings) as e:
             headers = {"Authorization": f"Bearer {e.token}"}
             reference_id = await create_search(e)
-            redis = connect_redis(str(settings.redis_url))
+            redis = connect_redis(str(settings.redis.url))
             try:
                 # A transaction hash that is a string: HGETALL answers WRONGTYPE.
-                await redis.delete(f"{settings.key_prefix}txn:{reference_id}")
-                await redis.set(f"{settings.key_prefix}txn:{reference_id}", "not a hash")
+                await redis.delete(f"{settings.redis.key_prefix}txn:{reference_id}")
+                await redis.set(f"{settings.redis.key_prefix}txn:{reference_id}", "not a hash")
             finally:
                 await redis.aclose()
             with caplog.at_level("WARNING"):

@@ -232,7 +232,9 @@ def target(service: RunningService) -> Iterator[FuzzTarget]:
         base_url=service.base_url,
         token=service.token_for(client),
         source_address=source,
-        signer=TokenSigner(settings_.secret_key, settings_.access_token_ttl_s, settings_.proof_ttl_s),
+        signer=TokenSigner(
+            settings_.auth.secret_key, settings_.auth.access_token_ttl_s, settings_.auth.proof_ttl_s
+        ),
         tenant_id=client.client_id,
     )
     from serve_app.pipelines.auth import unauthenticated_key

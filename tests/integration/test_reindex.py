@@ -31,7 +31,8 @@ from serve_app.stores.redis_support import connect_redis
 from tests.faces_dev import load_faces_dev
 
 OLD_VERSION = "face_v0_retired"
-LIMITS = ImageLimits(Settings.max_image_pixels, Settings.analysis_max_side)
+_DEFAULTS = Settings()
+LIMITS = ImageLimits(_DEFAULTS.limits.max_image_pixels, _DEFAULTS.models.analysis_max_side)
 
 
 class Interrupted(Exception):
@@ -162,6 +163,7 @@ def test_reindex_reembeds_from_proofs_and_resumes(
             assert matches[0].similarity == pytest.approx(1.0, abs=1e-3)
         untouched = await records.get("tenant-b", "b0")
         assert untouched is not None and untouched.model_version == OLD_VERSION
+        assert probe is not None and probe.embedding is not None
         assert await gallery.search("tenant-b", probe.embedding, 3, -1.0) == []
 
         # A third run has nothing left to analyse.

@@ -20,7 +20,14 @@ from serve_app.embedded import EmbeddedServices
 from serve_app.pipelines.commands import AgeEstimationCommand, FaceSearchCommand
 from serve_app.pipelines.reconcile import reconcile
 from serve_app.pipelines.transactions import TransactionService
-from serve_app.settings import Settings
+from serve_app.settings import (
+    AuthSettings,
+    HttpSettings,
+    MilvusSettings,
+    RedisSettings,
+    RetentionSettings,
+    Settings,
+)
 from serve_app.stores.blobs import LocalBlobStore
 from serve_app.wiring import build_worker, gallery_store, redis_stores
 from tests.unit.fakes import Color, ScriptedAnalysis, embedding, face, solid_png
@@ -54,16 +61,12 @@ def test_redis_keys_and_blob_files_stay_bounded_over_many_transactions(
 ) -> None:
     settings = Settings(
         data_dir=tmp_path,
-        redis_url=servers.redis_url,
-        milvus_uri=servers.milvus_uri,
-        milvus_token="",
-        secret_key="retention-test-secret-0123456789",
-        production=False,
-        public_base_url=None,
-        key_prefix=f"r{uuid.uuid4().hex[:8]}:",
         blob_dir=tmp_path / "blobs",
-        transaction_retention_s=RETENTION_S,
-        orphan_upload_grace_s=0,
+        redis=RedisSettings(url=servers.redis_url, key_prefix=f"r{uuid.uuid4().hex[:8]}:"),
+        milvus=MilvusSettings(uri=servers.milvus_uri, token=""),
+        auth=AuthSettings(secret_key="retention-test-secret-0123456789"),
+        http=HttpSettings(public_base_url=None),
+        retention=RetentionSettings(transaction_retention_s=RETENTION_S, orphan_upload_grace_s=0),
     )
     analysis = ScriptedAnalysis()
     for index, color in enumerate(REFERENCES.values()):
@@ -72,15 +75,15 @@ def test_redis_keys_and_blob_files_stay_bounded_over_many_transactions(
     async def scenario() -> list[tuple[int, int]]:
         stores = redis_stores(settings)
         redis = stores.transactions._redis
-        blobs = LocalBlobStore(settings.blob_dir)
+        blobs = LocalBlobStore(settings.blobs)
         gallery = gallery_store(settings)
-        service = TransactionService(stores.transactions, blobs, settings.max_image_pixels)
+        service = TransactionService(stores.transactions, blobs, settings.limits.max_image_pixels)
         worker, _ = build_worker(settings, analysis, "retention-worker")
         stop = asyncio.Event()
         running = asyncio.create_task(worker.run(stop))
 
         async def redis_keys() -> int:
-            keys = [key async for key in redis.scan_iter(match=f"{settings.key_prefix}*", count=1000)]
+            keys = [key async for key in redis.scan_iter(match=f"{settings.redis.key_prefix}*", count=1000)]
             # EXISTS expires a key whose time has come even before Redis' background cycle gets to it.
             return sum([int(await redis.exists(key)) for key in keys])
 
@@ -118,14 +121,14 @@ def test_redis_keys_and_blob_files_stay_bounded_over_many_transactions(
                     gallery,
                     blobs,
                     transactions=stores.transactions,
-                    orphan_grace_s=settings.orphan_upload_grace_s,
+                    orphan_grace_s=settings.retention.orphan_upload_grace_s,
                 )
                 assert report.blobs_removed == 1  # this round's orphan
-                sizes.append((await redis_keys(), blob_files(settings.blob_dir)))
+                sizes.append((await redis_keys(), blob_files(settings.blobs)))
             records = await stores.records.all_face_ids(TENANT)
             assert len(records) == len(REFERENCES)  # every override replaced the face before it
             # Every transaction record and completion signal expired (fs:txn:<id>, fs:txn-done:<id>).
-            expired = [key async for key in redis.scan_iter(match=f"{settings.key_prefix}txn*")]
+            expired = [key async for key in redis.scan_iter(match=f"{settings.redis.key_prefix}txn*")]
             assert expired == []
         finally:
             stop.set()

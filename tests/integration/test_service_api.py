@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 import io
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -32,7 +34,7 @@ def token(service: RunningService) -> str:
 
 
 @pytest.fixture(scope="module")
-def http(service: RunningService) -> httpx.Client:
+def http(service: RunningService) -> Iterator[httpx.Client]:
     with service.http() as client:
         yield client
 
@@ -67,7 +69,7 @@ def test_token_endpoint_shape(service: RunningService) -> None:
     assert response.status_code == 200
     body = response.json()
     assert body["status"] is True
-    assert body["result"]["data"]["expires_in"] == service.settings.access_token_ttl_s
+    assert body["result"]["data"]["expires_in"] == service.settings.auth.access_token_ttl_s
     assert body["result"]["data"]["token"].count(".") == 2
 
 
@@ -169,7 +171,7 @@ def test_override_replaces_latest_image(
     replaced = face_search_json(http, token, second[2].path, client_reference=reference, allow_override=1)
     wait_result(http, token, reference_of(replaced))
 
-    def references_matching(photo_path: object) -> list[str]:
+    def references_matching(photo_path: Path) -> list[str]:
         reference_id = reference_of(face_search_json(http, token, photo_path, enroll_face=False))
         result = wait_result(http, token, reference_id)["result"]["data"]["face_search_response"]["result"]
         return [match[3] for match in result["matched_faces"]]
@@ -356,7 +358,7 @@ def test_forwarded_for_from_loopback_does_not_choose_the_login_bucket(service: R
     """No trusted proxies: X-Forwarded-For from 127.0.0.1 is not believed, not even by the uvicorn inside
     Ray's HTTP proxy (which trusts 127.0.0.1 by default), so rotating it does not buy fresh attempts."""
     client = service.new_client("xff")
-    allowance = service.settings.login_failures_per_window
+    allowance = service.settings.auth.login_failures_per_window
     with service.http() as http:
         statuses = [
             http.post(

@@ -1,4 +1,6 @@
-"""The split topology (config/serve-gpu.yaml's layout on CPU): face search and age estimation end to end."""
+"""Every topology passes the same end-to-end check (split_service_check.check_search_and_age): split
+(config/serve-gpu.yaml's layout, on CPU) and in_process (the worker owns the models) each in its own process,
+fused on the session's service."""
 
 from __future__ import annotations
 
@@ -8,13 +10,16 @@ import sys
 import pytest
 
 from tests.faces_dev import REPO_ROOT
+from tests.integration.split_service_check import check_search_and_age
+from tests.service_harness import RunningService
 
 
 @pytest.mark.service
-def test_split_topology_searches_and_estimates_ages() -> None:
+@pytest.mark.parametrize("topology", ["split", "in_process"])
+def test_topology_in_its_own_process_searches_and_estimates_ages(topology: str) -> None:
     # Its own process: Ray runs once per process and the session's fused service already holds it here.
     finished = subprocess.run(
-        [sys.executable, "-m", "tests.integration.split_service_check"],
+        [sys.executable, "-m", "tests.integration.split_service_check", topology],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -22,4 +27,9 @@ def test_split_topology_searches_and_estimates_ages() -> None:
         check=False,
     )
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
-    assert "split topology OK" in finished.stdout
+    assert f"{topology} topology OK" in finished.stdout
+
+
+@pytest.mark.service
+def test_fused_topology_passes_the_same_check(service: RunningService) -> None:
+    check_search_and_age(service, "fused-check")

@@ -20,7 +20,7 @@ from tests.service_harness import RunningService
 pytestmark = pytest.mark.service
 
 # Workers re-read a tenant's settings at most this often (ProcessingPolicy.tenant_cache_s).
-CACHE_S = float(ProcessingPolicy.__dataclass_fields__["tenant_cache_s"].default)
+CACHE_S = float(ProcessingPolicy.__dataclass_fields__["tenant_cache_s"].default)  # type: ignore[arg-type]
 
 
 def matches(http: httpx.Client, token: str, path: Path) -> list[list[object]]:

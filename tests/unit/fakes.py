@@ -134,7 +134,8 @@ class FakeWorkQueue:
         await self._faults.check("queue.claim")
         _positive_count(count)
         deadline = asyncio.get_running_loop().time() + block_ms / 1000
-        while not self._undelivered and asyncio.get_running_loop().time() < deadline:
+        # Polls like XREADGROUP BLOCK waits: entries arrive from sync add() calls, with no event to await.
+        while not self._undelivered and asyncio.get_running_loop().time() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.002)
         entries: list[QueueEntry] = []
         while self._undelivered and len(entries) < count:

@@ -286,7 +286,14 @@ async def api_with_worker_for_a_34_year_old() -> tuple[World, Api, QueueWorker]:
     world = World()
     world.analysis.faces_by_color[GREEN] = [face(embedding(2), age=34, quality=face_quality(True))]
     api = await build_api(world, wait_for_result_timeout_s=5.0)
-    policy = WorkerPolicy(concurrency=2, claim_block_ms=5, reclaim_every_s=0.05, backoff_s=0.01)
+    policy = WorkerPolicy(
+        concurrency=2,
+        stale_after_s=30.0,
+        max_deliveries=5,
+        claim_block_ms=5,
+        reclaim_every_s=0.05,
+        backoff_s=0.01,
+    )
     return world, api, QueueWorker("worker-1", world.queue, world.processor(), policy)
 
 

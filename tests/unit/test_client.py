@@ -250,7 +250,7 @@ def test_requests_are_shaped_as_the_interface_says(tmp_path: Any) -> None:
         ],
         "next_cursor": "abc",
     }
-    last = {"faces": [], "next_cursor": None}
+    last: dict[str, object] = {"faces": [], "next_cursor": None}
     service.queue(
         "/gallery/faces", httpx.Response(200, json=envelope(page)), httpx.Response(200, json=envelope(last))
     )

@@ -33,7 +33,8 @@ def test_calls_run_one_at_a_time_while_the_event_loop_stays_free() -> None:
     async def scenario() -> list[tuple[str, bool]]:
         lane = InferenceLane()
         calls = asyncio.gather(*(lane.run(blocking_inference, 0.05) for _ in range(3)))
-        while not entered.is_set():
+        # A threading.Event, set from the inference thread: the loop polls it so that it stays free meanwhile.
+        while not entered.is_set():  # noqa: ASYNC110
             await asyncio.sleep(0.001)
         released_by_the_loop.set()  # the loop runs this while the first call holds the lane
         return list(await calls)

@@ -294,7 +294,8 @@ async def _race_overrides(world: World, count: int) -> list[Transaction]:
         *(p.process(tx.reference_id) for p, tx in zip(processors, transactions, strict=True))
     )
     started = asyncio.ensure_future(run)
-    while world.analysis.started < count:  # every processor is inside analyze(): release them together
+    # Every processor is inside analyze(): release them together (a count, not one event to await).
+    while world.analysis.started < count:  # noqa: ASYNC110
         await asyncio.sleep(0.002)
     world.analysis.gate.set()
     await asyncio.wait_for(started, 10)

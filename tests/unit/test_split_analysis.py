@@ -11,8 +11,8 @@ from PIL import Image, ImageOps
 
 from models.analyzer import ModelConfig
 from models.embedder import FUSED_DIM
+from models.runners import DescriptorChips, pair, unpair
 from serve_app.deployments.analysis import SplitAnalysis
-from serve_app.deployments.models import DescriptorChips, _pair, _unpair
 from tests.faces_dev import FacesDev
 
 
@@ -45,13 +45,11 @@ def test_only_the_needed_deployments_are_called_with_aligned_chips(photo: np.nda
     detector = config.load_detector()
     calls: list[tuple[str, Any]] = []
     handles = {
-        "detector": _Handle(
-            detect=_Method("detect", calls, lambda boxed: detector.detect_prepared([boxed])[0])
-        ),
+        "detector": _Handle(run=_Method("detect", calls, lambda boxed: detector.detect_prepared([boxed])[0])),
         "embedder": _Handle(
-            embed=_Method("embed", calls, lambda chips: np.zeros((len(chips.dlib), FUSED_DIM), np.float32))
+            run=_Method("embed", calls, lambda chips: np.zeros((len(chips.dlib), FUSED_DIM), np.float32))
         ),
-        "age": _Handle(estimate=_Method("estimate", calls, lambda chips: [None] * len(chips))),
+        "age": _Handle(run=_Method("estimate", calls, lambda chips: [None] * len(chips))),
     }
     split = SplitAnalysis(handles["detector"], handles["embedder"], handles["age"], {})  # type: ignore[arg-type]
 
@@ -75,6 +73,6 @@ def test_paired_chips_round_trip() -> None:
         rng.integers(0, 256, (3, 150, 150, 3), dtype=np.uint8),
         rng.integers(0, 256, (3, 112, 112, 3), dtype=np.uint8),
     )
-    dlib, sface = _unpair(_pair(chips))
+    dlib, sface = unpair(pair(chips))
     np.testing.assert_array_equal(dlib, chips.dlib)
     np.testing.assert_array_equal(sface, chips.sface)

@@ -16,6 +16,7 @@ import pytest
 from PIL import Image, ImageOps
 
 from models.analyzer import ModelConfig, largest_face, load_face_analyzer
+from models.runners import AgeRunner, AnalysisRequest, AnalysisRunner, DetectorRunner, EmbedderRunner
 from serve_app.deployments.analysis import SplitAnalysis
 from tests.faces_dev import FacesDev
 
@@ -30,8 +31,15 @@ class _Method:
 
 
 class _Handle:
+    """A deployment handle: every model deployment answers on `run` (serve_app.deployments.models)."""
+
     def __init__(self, name: str, function: Callable[[Any], Any], calls: list[str]) -> None:
-        setattr(self, name, _Method(function, calls, name))
+        self.run = _Method(function, calls, name)
+
+
+def _stand_in(name: str, function: Callable[[Any], Any], calls: list[str]) -> Any:
+    """Typed Any: SplitAnalysis wants a DeploymentHandle, and the stand-in has only its `run.remote`."""
+    return _Handle(name, function, calls)
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +47,17 @@ def setup() -> tuple[SplitAnalysis, Any, list[str]]:
     config = ModelConfig(intra_op_threads=1)
     analyzer = load_face_analyzer(config)
     calls: list[str] = []
+    # The stand-ins run the same runners as the model deployments; descriptor runs of one face each, so a
+    # group photo's chips are cut into runs and put back together.
+    detector, embedder, age = (
+        DetectorRunner(analyzer.detector),
+        EmbedderRunner(analyzer.embedder),
+        AgeRunner(analyzer.age_estimator),
+    )
     split = SplitAnalysis(
-        detector=_Handle("detect", lambda item: analyzer.detector.detect_prepared([item])[0], calls),
-        embedder=_Handle("embed", lambda chips: analyzer.embedder.embed(chips.dlib, chips.sface), calls),
-        age=_Handle("estimate", analyzer.age_estimator.estimate, calls),
+        detector=_stand_in("detect", lambda item: detector.run([item], 64)[0], calls),
+        embedder=_stand_in("embed", lambda chips: embedder.run([chips], 1)[0], calls),
+        age=_stand_in("estimate", lambda views: age.run([views], 64)[0], calls),
         model_config={"intra_op_threads": 1},
     )
     return split, analyzer, calls
@@ -89,3 +104,25 @@ def test_split_age_without_enrolment_asks_no_descriptor(
     faces = asyncio.run(split.analyze(image, embed=True, estimate_age=False))
     assert faces and all(face.age is None for face in faces)
     assert calls == ["detect", "embed"]
+
+
+def test_one_analysis_batch_mixing_a_search_and_an_age_estimate(
+    faces_dev: FacesDev, setup: tuple[SplitAnalysis, Any, list[str]]
+) -> None:
+    _, analyzer, _ = setup
+    group = _pixels(faces_dev.of_kind("group")[0].path)
+    crop = _pixels(faces_dev.of_kind("age")[0].path)
+    search, age = AnalysisRunner(analyzer).run(
+        [AnalysisRequest(group, embed=True, estimate_age=False), AnalysisRequest(crop, False, True)], 64
+    )
+    (fused_search,), (fused_age,) = (
+        analyzer.analyze([group], True, False),
+        analyzer.analyze([crop], False, True),
+    )
+    assert len(search) == len(fused_search) >= 2 and len(age) == len(fused_age) >= 1
+    assert all(face.age is None and face.embedding is not None for face in search)
+    subject = largest_face(age)
+    assert all(face.embedding is None for face in age) and subject is not None and subject.age is not None
+    for a, b in zip(search, fused_search, strict=True):
+        assert a.embedding is not None and b.embedding is not None
+        np.testing.assert_allclose(a.embedding, b.embedding, atol=1e-4)

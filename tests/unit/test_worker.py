@@ -206,9 +206,9 @@ def test_backend_unavailable_from_claim_is_retried_after_the_backoff(monkeypatch
     real_sleep = asyncio.sleep
     slept: list[float] = []
 
-    async def recording_sleep(delay: float, *args: object) -> object:
+    async def recording_sleep(delay: float) -> None:
         slept.append(delay)
-        return await real_sleep(delay, *args)
+        await real_sleep(delay)
 
     monkeypatch.setattr(asyncio, "sleep", recording_sleep)
 

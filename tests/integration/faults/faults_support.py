@@ -128,15 +128,15 @@ def with_stores(
         redis = connect_redis(redis_url)
         gallery = MilvusGalleryStore(
             milvus_uri or "http://127.0.0.1:1",
-            token=settings.milvus_token,
+            token=settings.milvus.token,
             model_version=MODEL_VERSION,  # the service's gallery: same collection, same version
             dimension=FUSED_DIM,
         )
         stores = Stores(
-            transactions=RedisTransactionStore(redis, prefix=settings.key_prefix),
-            records=RedisFaceRecordStore(redis, prefix=settings.key_prefix),
+            transactions=RedisTransactionStore(redis, prefix=settings.redis.key_prefix),
+            records=RedisFaceRecordStore(redis, prefix=settings.redis.key_prefix),
             gallery=gallery,
-            blobs=LocalBlobStore(settings.blob_dir),
+            blobs=LocalBlobStore(settings.blobs),
         )
         try:
             return await operation(stores)
@@ -148,8 +148,8 @@ def with_stores(
 
 
 def stores_of(service: RunningService, operation: Callable[[Stores], Awaitable[T]]) -> T:
-    assert service.settings.redis_url is not None
-    return with_stores(service.settings.redis_url, service.settings.milvus_uri, service.settings, operation)
+    assert service.settings.redis.url is not None
+    return with_stores(service.settings.redis.url, service.settings.milvus.uri, service.settings, operation)
 
 
 def transactions_of(service: RunningService, reference_ids: Iterable[str]) -> dict[str, Transaction]:
@@ -198,9 +198,9 @@ def pending_entries(service: RunningService) -> dict[str, int]:
     settings = service.settings
 
     async def read() -> dict[str, int]:
-        redis = connect_redis(str(settings.redis_url))
+        redis = connect_redis(str(settings.redis.url))
         try:
-            summary = await redis.xpending(f"{settings.key_prefix}sys:tx-queue", "workers")
+            summary = await redis.xpending(f"{settings.redis.key_prefix}sys:tx-queue", "workers")
         finally:
             await redis.aclose()
         return {str(row["name"]): int(row["pending"]) for row in summary.get("consumers") or []}

@@ -9,6 +9,7 @@ FACESEARCH_STALE_AFTER_S = 3 s here instead of 30 s, so recovery happens within 
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Awaitable, Iterator
@@ -306,7 +307,7 @@ def _new_transaction(tenant_id: str, kind: TransactionKind, **fields: Any) -> Tr
 async def _enqueue(stores: Stores, tx: Transaction, photo: Path) -> None:
     """What a create call does: the image first, then the transaction and its queue entry."""
     content_type = "image/png" if photo.suffix.lower() == ".png" else "image/jpeg"
-    await stores.blobs.put(tx.image_key, photo.read_bytes(), content_type)
+    await stores.blobs.put(tx.image_key, await asyncio.to_thread(photo.read_bytes), content_type)
     await stores.transactions.create_and_enqueue(tx)
 
 
@@ -655,7 +656,7 @@ def test_a_long_milvus_outage_fails_no_transaction(host: ServiceHost, faces_dev:
     token = service.token_for(client)
     photos = [images[1].path for images in faces_dev.by_identity().values()][:2]
     # Long enough for max_deliveries + 3 reclaim rounds (a round: stale_after_s, checked every 5 s).
-    outage_s = (service.settings.max_deliveries + 3) * max(float(STALE_AFTER_S), 5.0)
+    outage_s = (service.settings.worker.max_deliveries + 3) * max(float(STALE_AFTER_S), 5.0)
 
     milvus.stop()
     try:

