@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
+import httpx
 import pytest
 from fastapi import FastAPI
-from fastapi.testclient import TestClient
 
 from serve_app.api import console
 
@@ -14,9 +15,14 @@ from serve_app.api import console
 def test_console_is_served_with_its_policy() -> None:
     app = FastAPI()
     console.mount_console(app, public_base_url="https://faces.example.org/api")
-    with TestClient(app) as client:
-        page = client.get("/console/")
-        script = client.get("/console/app.js")
+
+    async def fetch() -> tuple[httpx.Response, httpx.Response]:
+        # httpx over ASGI (Starlette's TestClient on httpx is deprecated, and warnings are errors here).
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+            return await client.get("/console/"), await client.get("/console/app.js")
+
+    page, script = asyncio.run(fetch())
     assert page.status_code == 200 and '<script src="app.js"' in page.text
     assert script.status_code == 200 and "javascript" in script.headers["content-type"]
     for response in (page, script):
