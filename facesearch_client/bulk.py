@@ -83,14 +83,17 @@ class StateFile:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.latest: dict[str, dict[str, Any]] = {}
-        if path.exists():
-            for line in path.read_text(encoding="utf-8").splitlines():
-                try:
-                    entry = json.loads(line)
-                except ValueError:
-                    continue  # a line cut short by the interruption
-                self.latest[str(entry["key"])] = entry
+        text = path.read_text(encoding="utf-8") if path.exists() else ""
+        for line in text.splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by the interruption
+            self.latest[str(entry["key"])] = entry
         self._handle: TextIO = path.open("a", encoding="utf-8")
+        if text and not text.endswith("\n"):
+            # End the cut line, or the first entry of this run would be glued to it and lost.
+            self._handle.write("\n")
 
     def record(self, key: str, status: str, **fields: Any) -> None:
         entry = {"key": key, "status": status, **fields}

@@ -120,3 +120,14 @@ def test_cli_erase_from_a_list_and_bad_arguments(
     assert main(["erase", str(listing), "--client-secret", "s", "--concurrency", "0"]) == 2
     assert main(["enroll", str(tmp_path / "missing.csv"), "--client-secret", "s"]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_a_state_file_cut_mid_line_loses_no_entry_written_after_it(tmp_path: Path) -> None:
+    path = tmp_path / "state.jsonl"
+    path.write_text(json.dumps({"key": "a", "status": "done"}) + "\n" + '{"key": "cut sh')
+    state = bulk.StateFile(path)
+    state.record("b", "done")
+    state.close()
+    reread = bulk.StateFile(path)
+    reread.close()
+    assert {key: entry["status"] for key, entry in reread.latest.items()} == {"a": "done", "b": "done"}
