@@ -46,17 +46,22 @@ async def read_fields(request: Request, accepted: tuple[str, ...], max_part_byte
             "The form body could not be parsed.", {"body": "malformed form data"}
         ) from None
     fields: dict[str, Any] = {}
-    for key, value in form.multi_items():
-        # A repeated field is ambiguous (which value counts?): refuse it rather than let the last one win.
-        if key in fields:
-            name = key[:100]
-            raise ValidationFailed(
-                f"The field '{name}' is given more than once.", {name: "given more than once"}
-            )
-        if isinstance(value, str):
-            fields[key] = value
-        else:
-            fields[key] = Upload(filename=value.filename or "", data=await value.read(max_part_bytes + 1))
+    try:
+        for key, value in form.multi_items():
+            # A repeated field is ambiguous (which value counts?): refuse it rather than let the last win.
+            if key in fields:
+                name = key[:100]
+                raise ValidationFailed(
+                    f"The field '{name}' is given more than once.", {name: "given more than once"}
+                )
+            if isinstance(value, str):
+                fields[key] = value
+            else:
+                data = await value.read(max_part_bytes + 1)
+                fields[key] = Upload(filename=value.filename or "", data=data)
+    finally:
+        # The parts are read into memory above; close their spooled files now rather than at GC time.
+        await form.close()
     return fields
 
 
