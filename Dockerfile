@@ -23,6 +23,8 @@ WORKDIR /opt/facesearch
 COPY pyproject.toml README.md THIRD_PARTY_NOTICES.md ./
 COPY models ./models
 COPY serve_app ./serve_app
+# The Python client: `facesearch enroll` / `erase` send through it.
+COPY facesearch_client ./facesearch_client
 COPY config ./config
 RUN python3.11 -m venv /opt/venv \
     && pip install --upgrade pip \
