@@ -17,7 +17,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from redis import exceptions as redis_exceptions
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel
+from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection, SentinelManagedSSLConnection
 from redis.backoff import ExponentialWithJitterBackoff
 
 from serve_app.domain.errors import BackendRejected, BackendUnavailable
@@ -42,6 +42,26 @@ _SERVER_STATE_PREFIXES = ("MISCONF", "BUSY", "NOREPLICAS", "UNBLOCKED")
 
 
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+
+
+class _FailoverAwareConnection(SentinelManagedConnection):
+    """After a failover, a script's write to the demoted master fails as a script error that wraps
+    READONLY, which redis-py's own check (a plain ReadOnlyError only) misses: the connection would stay on
+    the old master for good. Drop it the same way, as a connection error, so the client's retry opens a
+    new connection and asks the sentinels for the new master."""
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().read_response(*args, **kwargs)
+        except redis_exceptions.ResponseError as error:
+            if "READONLY" not in str(error) or not self.connection_pool.is_master:
+                raise
+            await self.disconnect()
+            raise redis_exceptions.ConnectionError("the previous master is now a replica") from error
+
+
+class _FailoverAwareSSLConnection(_FailoverAwareConnection, SentinelManagedSSLConnection):
+    pass
 
 
 @dataclass(frozen=True)
@@ -141,7 +161,7 @@ def connect_redis(
         db=target.db,
         username=target.username,
         password=target.password,
-        ssl=target.tls,
+        connection_class=_FailoverAwareSSLConnection if target.tls else _FailoverAwareConnection,
         **options,
     )
     return master
@@ -175,7 +195,14 @@ def to_backend_unavailable(error: BaseException) -> BackendUnavailable:
     # failing, but logged with its traceback so a bug does not hide behind a 503.
     logger.error("unexpected Redis error", exc_info=error)
     message = f"Redis is unavailable: {type(error).__name__}: {error}"
-    server_state = isinstance(error, _SERVER_STATE_CLASSES) or str(error).startswith(_SERVER_STATE_PREFIXES)
+    server_state = (
+        isinstance(error, _SERVER_STATE_CLASSES)
+        or str(error).startswith(_SERVER_STATE_PREFIXES)
+        # A script's error wraps the server's reply: "Error running script ...: -READONLY ...".
+        or any(
+            f"-{state}" in str(error) for state in (*_SERVER_STATE_PREFIXES, "READONLY", "OOM", "MASTERDOWN")
+        )
+    )
     if isinstance(error, redis_exceptions.ResponseError) and not server_state:
         # WRONGTYPE, a script error, a bad argument: this command fails the same way every time.
         return BackendRejected(message)

@@ -20,9 +20,14 @@ from serve_app.stores.redis_support import to_backend_unavailable
         redis_exceptions.OutOfMemoryError("command not allowed when used memory > 'maxmemory'"),
         redis_exceptions.ReadOnlyError("You can't write against a read only replica."),
         redis_exceptions.ResponseError("MISCONF Redis is configured to save RDB snapshots, but ..."),
+        # A script writing to a master demoted by a failover: the server's reply wrapped in a script error.
+        redis_exceptions.ResponseError(
+            "Error running script (call to f_99dff4): @user_script:2: @user_script: 2: "
+            "-READONLY You can't write against a read only replica."
+        ),
         ConnectionResetError(104, "Connection reset by peer"),
     ],
-    ids=lambda error: type(error).__name__,
+    ids=lambda error: f"{type(error).__name__}-{str(error)[:24]}",
 )
 def test_redis_outages_are_not_rejections(error: BaseException) -> None:
     translated = to_backend_unavailable(error)
