@@ -94,7 +94,8 @@ def iso(timestamp: float) -> str:
 def _limit(raw: str | None) -> int:
     if raw is None or raw == "":
         return DEFAULT_PAGE_SIZE
-    if re.fullmatch(r"[1-9][0-9]{0,5}", raw) is None or int(raw) > MAX_PAGE_SIZE:  # no sign, zero or spaces
+    # The syntax only (no sign, leading zero or spaces); the range is the pipeline's rule.
+    if re.fullmatch(r"[1-9][0-9]{0,5}", raw) is None:
         raise ValidationFailed(
             f"limit must be between 1 and {MAX_PAGE_SIZE}.", {"limit": f"must be 1 to {MAX_PAGE_SIZE}"}
         )
