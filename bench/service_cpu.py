@@ -7,6 +7,8 @@ dir), warms it up, then for each kind of client call (face search with polling a
 estimation with polling and with wait_for_result=1) reads every process's CPU time from /proc before and
 after a bounded phase of --requests calls, and prints CPU ms per transaction by process: Serve's HTTP proxy,
 the ingress, the worker, the model replicas, Redis, Milvus, Ray's own daemons and the benchmark's client.
+Below them: the models' own CPU per image (measured in this process first, on the same photos, decoding
+excluded) as a share of the total, and the rate against the fair in-process baseline of bench.service.
 On a machine where the cores are the limit, their sum is what one transaction costs, and the table says
 which hop to make cheaper. Linux only (/proc).
 """
@@ -25,7 +27,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from bench.common import format_table
-from bench.service import ServiceCalls, app_args_for, client_pool, run_phase
+from bench.service import InProcessRate, ServiceCalls, app_args_for, client_pool, in_process_rate, run_phase
 from tests.faces_dev import load_faces_dev
 from tests.service_harness import running_service
 
@@ -73,16 +75,19 @@ def cpu_seconds_by_role() -> dict[str, float]:
     return totals
 
 
-async def measure(base_url: str, token: str, args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
-    dev = load_faces_dev()
-    faces = [image.path for image in dev.of_kind("identity")]
-    ages = [image.path for image in dev.of_kind("age")]
+async def measure(
+    base_url: str, token: str, workloads: dict[str, list[Path]], args: argparse.Namespace
+) -> tuple[dict[str, dict[str, float]], dict[str, float], dict[str, str]]:
+    """CPU ms per transaction by process role, transactions/s, and the workload of each kind of call."""
+    faces, ages = workloads["faces"], workloads["ages"]
     columns: dict[str, dict[str, float]] = {}
     rates: dict[str, float] = {}
+    kinds: dict[str, str] = {}
     async with client_pool(base_url, token) as client:
         calls = ServiceCalls(client, faces, ages, args.phase_timeout)
         await run_phase(calls.search, 8, 4, args.phase_timeout)  # warm-up
-        for name, (call, _workload) in calls.by_name().items():
+        for name, (call, workload) in calls.by_name().items():
+            kinds[name] = workload
             before = cpu_seconds_by_role()
             elapsed, latencies, failures = await run_phase(
                 call, args.requests, args.concurrency, args.phase_timeout
@@ -94,12 +99,39 @@ async def measure(base_url: str, token: str, args: argparse.Namespace) -> tuple[
                 role: (after[role] - before.get(role, 0.0)) * 1000 / len(latencies) for role in after
             }
             rates[name] = len(latencies) / elapsed
+    return columns, rates, kinds
+
+
+def table(
+    columns: dict[str, dict[str, float]],
+    rates: dict[str, float],
+    kinds: dict[str, str],
+    baseline: dict[str, InProcessRate],
+) -> tuple[list[str], list[list[str]]]:
+    """The per-process table, then the models' share of the total (the models' CPU per image measured in
+    process on the same photos, decoding excluded) and the rate against the fair in-process baseline."""
     first = next(iter(columns.values()))
     roles = sorted({role for column in columns.values() for role in column}, key=lambda r: -first.get(r, 0.0))
     header = ["CPU ms per transaction", *columns]
     rows = [[role, *(f"{column.get(role, 0.0):.1f}" for column in columns.values())] for role in roles]
-    rows.append(["total", *(f"{sum(column.values()):.1f}" for column in columns.values())])
+    totals = {name: sum(column.values()) for name, column in columns.items()}
+    rows.append(["total", *(f"{totals[name]:.1f}" for name in columns)])
+    rows.append(
+        ["models alone (in process)", *(f"{baseline[kinds[name]].model_cpu_ms:.1f}" for name in columns)]
+    )
+    rows.append(
+        [
+            "models' share of the total",
+            *(f"{baseline[kinds[name]].model_cpu_ms / totals[name]:.0%}" for name in columns),
+        ]
+    )
     rows.append(["transactions/s", *(f"{rates[name]:.1f}" for name in columns)])
+    rows.append(
+        [
+            "vs fair in-process rate",
+            *(f"{rates[name] / baseline[kinds[name]].images_per_s:.0%}" for name in columns),
+        ]
+    )
     return header, rows
 
 
@@ -107,18 +139,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--topology", default="fused", choices=("fused", "split"))
+    parser.add_argument("--topology", default="in_process", choices=("in_process", "fused", "split"))
     parser.add_argument("--requests", type=int, default=96, help="calls per phase")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--phase-timeout", type=float, default=300.0)
     args = parser.parse_args()
+    dev = load_faces_dev()
+    workloads = {
+        "faces": [image.path for image in dev.of_kind("identity")],
+        "ages": [image.path for image in dev.of_kind("age")],
+    }
+    # Measured before the service starts, so nothing else competes for the cores.
+    baseline = {
+        name: in_process_rate(paths, name, args.threads, rounds=2) for name, paths in workloads.items()
+    }
     with (
         tempfile.TemporaryDirectory(prefix="facesearch-bench-") as data_dir,
         running_service(Path(data_dir), app_args_for(args.topology, args.threads)) as service,
     ):
         token = service.token_for(service.new_client("bench"))
-        header, rows = asyncio.run(measure(service.base_url, token, args))
+        columns, rates, kinds = asyncio.run(measure(service.base_url, token, workloads, args))
+    header, rows = table(columns, rates, kinds, baseline)
     print(
         f"topology {args.topology}, {args.concurrency} concurrent clients, {args.requests} calls per column"
     )

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import socket
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ import httpx
 
 from serve_app.embedded import EmbeddedServices
 from serve_app.settings import Settings
+
+RAY_START_ATTEMPTS = 3
 
 
 def free_port() -> int:
@@ -99,17 +102,7 @@ def running_service(
     embedded.start()
     try:
         settings = Settings.from_env().with_backends(embedded.redis_url, embedded.milvus_uri)
-        port = free_port()
-        metrics_port = free_port()
-        ray.init(
-            _node_ip_address="127.0.0.1",
-            _metrics_export_port=metrics_port,
-            include_dashboard=False,
-            num_cpus=2,
-            log_to_driver=False,
-            runtime_env={"env_vars": overrides},
-        )
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        port, metrics_port = _start_ray_and_serve(overrides)
         base_url = f"http://127.0.0.1:{port}"
         _deploy(bind_app(args or {}, settings), start_timeout_s)
         _wait_ready(base_url, start_timeout_s)
@@ -131,6 +124,39 @@ def running_service(
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _start_ray_and_serve(env_vars: dict[str, str]) -> tuple[int, int]:
+    """Start a loopback Ray node and Serve's controller and HTTP proxy; return (HTTP port, metrics port).
+
+    On a loaded 2-core machine Ray's own fixed start-up deadlines (30 s for the raylet to register, 60 s
+    for the HTTP proxy) are occasionally missed. Nothing of the application exists yet at this point, so
+    a failed start is torn down and tried again on fresh ports; only the last failure is raised."""
+    import ray
+    from ray import serve
+
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        port, metrics_port = free_port(), free_port()
+        try:
+            ray.init(
+                _node_ip_address="127.0.0.1",
+                _metrics_export_port=metrics_port,
+                include_dashboard=False,
+                num_cpus=2,
+                log_to_driver=False,
+                runtime_env={"env_vars": env_vars},
+            )
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            return port, metrics_port
+        except Exception as error:
+            with contextlib.suppress(Exception):
+                serve.shutdown()
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+            if attempt == RAY_START_ATTEMPTS:
+                raise
+            print(f"Ray or Serve did not start ({error!r}); starting them again", file=sys.stderr)
+    raise AssertionError("unreachable")
 
 
 def _deploy(app: Any, timeout_s: float) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import warnings
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +28,6 @@ from tests.service_harness import RunningService, running_service
 T = TypeVar("T")
 APP_NAME = "facesearch"
 FINAL_STATES = frozenset({"completed", "failed"})
-RAY_START_ATTEMPTS = 2
-RAY_NODE_START_TIMEOUT = "The current node timed out during startup"
 
 
 def poll(
@@ -74,22 +71,15 @@ class ServiceHost:
     def start(self) -> RunningService:
         if self._current is not None:
             return self._current
-        for attempt in range(1, RAY_START_ATTEMPTS + 1):
-            stack = contextlib.ExitStack()
-            try:
-                self._current = stack.enter_context(running_service(self.data_dir, env=self.env))
-            except Exception as error:
-                stack.close()
-                if attempt == RAY_START_ATTEMPTS or RAY_NODE_START_TIMEOUT not in str(error):
-                    raise
-                # Ray gives its raylet a fixed 30 s to register; on a loaded 2-core machine it
-                # occasionally misses that. Nothing of the application had started yet: start again.
-                warnings.warn(f"Ray did not start ({error}); starting the service again", stacklevel=2)
-                continue
-            self._stack = stack
-            self.starts += 1
-            return self._current
-        raise AssertionError("unreachable")
+        stack = contextlib.ExitStack()
+        try:
+            self._current = stack.enter_context(running_service(self.data_dir, env=self.env))
+        except BaseException:
+            stack.close()
+            raise
+        self._stack = stack
+        self.starts += 1
+        return self._current
 
     def stop(self) -> None:
         stack, self._stack, self._current = self._stack, None, None
