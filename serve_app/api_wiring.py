@@ -17,6 +17,7 @@ from serve_app.pipelines.transactions import TransactionService
 from serve_app.settings import Settings, wait_replicas
 from serve_app.stores.blobs import LocalBlobStore
 from serve_app.stores.milvus_gallery import IndexPolicy, MilvusGalleryStore
+from serve_app.stores.redis_admission import RedisRequestAdmission
 from serve_app.stores.redis_audit import RedisAuditLog
 from serve_app.stores.redis_clients import RedisClientStore
 from serve_app.stores.redis_ratelimit import RedisRateLimiter
@@ -31,6 +32,7 @@ class RedisStores:
     records: RedisFaceRecordStore
     clients: RedisClientStore
     limiter: RedisRateLimiter
+    admission: RedisRequestAdmission
     audit: RedisAuditLog
 
 
@@ -58,6 +60,7 @@ def redis_stores(settings: Settings) -> RedisStores:
         records=RedisFaceRecordStore(redis, prefix=prefix),
         clients=RedisClientStore(redis, pepper=settings.auth.secret_key, prefix=prefix),
         limiter=RedisRateLimiter(redis, prefix=prefix),
+        admission=RedisRequestAdmission(redis, prefix=prefix),
         audit=RedisAuditLog(redis, prefix=prefix),
     )
 
@@ -88,6 +91,7 @@ def build_api_services(settings: Settings) -> ApiServices:
         auth=ClientAuthenticator(
             stores.clients,
             stores.limiter,
+            stores.admission,
             login_failures_per_window=settings.auth.login_failures_per_window,
             login_window_s=settings.auth.login_window_s,
             requests_per_minute=settings.limits.requests_per_minute,
@@ -95,7 +99,10 @@ def build_api_services(settings: Settings) -> ApiServices:
             unauthenticated_per_minute=settings.limits.unauthenticated_per_minute,
         ),
         signer=TokenSigner(
-            settings.auth.secret_key, settings.auth.access_token_ttl_s, settings.auth.proof_ttl_s
+            settings.auth.secret_key,
+            settings.auth.access_token_ttl_s,
+            settings.auth.proof_ttl_s,
+            verified_cache_size=settings.auth.verified_token_cache,
         ),
         max_upload_bytes=settings.limits.max_upload_bytes,
         wait_for_result_timeout_s=settings.limits.wait_for_result_timeout_s,

@@ -121,6 +121,12 @@ class AuthSettings(_Group):
     login_backoff_max_s: int = Field(
         900, ge=1, description="the longest wait between login attempts (the wait doubles from 1 s)"
     )
+    verified_token_cache: int = Field(
+        10_000,
+        ge=0,
+        description="access tokens each ingress replica remembers as verified until they expire (0: check "
+        "every signature); revocation is still checked on every request",
+    )
 
 
 class LimitSettings(_Group):

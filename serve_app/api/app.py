@@ -9,6 +9,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serve_app.api import errors
 from serve_app.api.console import mount_console
 from serve_app.api.dependencies import ApiServices as ApiServices  # re-exported: the app's one argument
+from serve_app.api.json_response import JSONResponse
 from serve_app.api.limits import BodySizeLimitMiddleware
 from serve_app.api.routes import auth, gallery, proofs, transactions
 from serve_app.domain.errors import ServiceError
@@ -30,6 +31,7 @@ def create_app(services: ApiServices) -> FastAPI:
         title="Face search and age estimation",
         version="1.0.0",
         description=_DESCRIPTION,
+        default_response_class=JSONResponse,
         openapi_tags=[
             {"name": "auth"},
             {"name": "transactions"},

@@ -16,7 +16,6 @@ from serve_app.pipelines.auth import ClientAuthenticator
 from serve_app.pipelines.gallery import GalleryService
 from serve_app.pipelines.proofs import ProofService
 from serve_app.pipelines.transactions import TransactionService
-from serve_app.stores.interfaces import ClientInfo
 
 CLIENT_SECRET_HEADER = "Client-Secret"
 
@@ -57,24 +56,27 @@ async def authenticated_tenant(request: Request, services: Services) -> str:
     """Bearer access token, or the Client-Secret header; either way the client is the tenant. A failed
     check counts against the source's allowance of unauthenticated requests (429 once it is spent)."""
     try:
-        client = await _authenticated_client(request, services)
+        return await _admitted_client(request, services)
     except AuthenticationFailed:
         await services.auth.count_unauthenticated(source_of(request, services))
         raise
-    await services.auth.count_request(client.client_id)
-    return client.client_id
 
 
-async def _authenticated_client(request: Request, services: ApiServices) -> ClientInfo:
+async def _admitted_client(request: Request, services: ApiServices) -> str:
+    """The client's id once its credentials are checked and the request is counted against its allowance."""
     authorization = request.headers.get("authorization", "")
     if authorization:
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise AuthenticationFailed("Authorization must be 'Bearer <access token>'.")
         claims = services.signer.verify_access(token.strip())
-        return await services.auth.active_client(claims.client_id)
+        # Still active? and counted: one round trip (the token alone cannot tell a revocation).
+        await services.auth.admit(claims.client_id)
+        return claims.client_id
     if secret := request.headers.get(CLIENT_SECRET_HEADER):
-        return await services.auth.client_by_secret(secret)
+        client = await services.auth.client_by_secret(secret)
+        await services.auth.count_request(client.client_id)
+        return client.client_id
     raise AuthenticationFailed(
         f"Authentication required: send 'Authorization: Bearer <token>' or '{CLIENT_SECRET_HEADER}'."
     )

@@ -13,8 +13,8 @@ from typing import Any
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse
 
+from serve_app.api.json_response import JSONResponse
 from serve_app.domain import errors as domain
 
 logger = logging.getLogger(__name__)

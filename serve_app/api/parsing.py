@@ -7,6 +7,7 @@ import logging
 import re
 from typing import Any
 
+import orjson
 from starlette.requests import Request
 
 from serve_app.api.limits import BodyTooLarge
@@ -70,17 +71,26 @@ async def _json_fields(request: Request) -> dict[str, Any]:
     if not raw.strip():
         raise ValidationFailed("The request body is empty.", {"body": "empty"})
     try:
-        parsed = json.loads(raw)
-    except (ValueError, RecursionError):
-        # ValueError covers JSONDecodeError, UnicodeDecodeError and over-long integer literals;
-        # RecursionError a hostile nesting depth.
-        raise ValidationFailed("The request body is not valid JSON.", {"body": "invalid JSON"}) from None
+        # orjson first (several times faster on the large base64 bodies of face search); it refuses some
+        # documents the standard parser accepts (NaN, integers beyond 64 bits, escaped lone surrogates),
+        # and those take the standard path, so what is accepted never depends on the parser.
+        parsed = orjson.loads(raw)
+        checked_utf8 = True  # orjson never yields a lone surrogate
+    except orjson.JSONDecodeError:
+        try:
+            parsed = json.loads(raw)
+        except (ValueError, RecursionError):
+            # ValueError covers JSONDecodeError, UnicodeDecodeError and over-long integer literals;
+            # RecursionError a hostile nesting depth.
+            raise ValidationFailed("The request body is not valid JSON.", {"body": "invalid JSON"}) from None
+        checked_utf8 = False
     if not isinstance(parsed, dict):
         raise ValidationFailed("The JSON body must be an object.", {"body": "not an object"})
-    for key, value in parsed.items():
-        # JSON escapes can spell lone surrogates, which no store can encode: refuse them here.
-        if not _is_utf8(key) or (isinstance(value, str) and not _is_utf8(value)):
-            raise ValidationFailed("The request body is not valid JSON.", {"body": "invalid JSON"})
+    if not checked_utf8:
+        for key, value in parsed.items():
+            # JSON escapes can spell lone surrogates, which no store can encode: refuse them here.
+            if not _is_utf8(key) or (isinstance(value, str) and not _is_utf8(value)):
+                raise ValidationFailed("The request body is not valid JSON.", {"body": "invalid JSON"})
     return parsed
 
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from fastapi.responses import JSONResponse
-
 from serve_app.api.errors import error_body
+from serve_app.api.json_response import JSONResponse
 from serve_app.api.response_models import (
     AgeData,
     FaceSearchData,

@@ -3,6 +3,11 @@
 Both are HS256 JWTs, each signed with its own key derived from the service secret, so a proof token can
 never pass as an access token or the reverse. The algorithm is pinned on decode: `alg: none` and tokens
 signed with any other key are rejected.
+
+A client sends the same access token with every request until it expires, so each replica remembers the
+tokens it has verified (bounded, least recently used first out) and skips the signature check and the JSON
+decoding while a token is valid. Only the signature is remembered: whether the client is still active is
+checked on every request (ClientAuthenticator.admit), so a revocation takes effect at once.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ import hashlib
 import hmac
 import time
 import uuid
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jwt
@@ -39,14 +46,24 @@ class ProofClaims:
 
 
 class TokenSigner:
-    def __init__(self, secret: str, access_ttl_s: int, proof_ttl_s: int) -> None:
+    def __init__(
+        self,
+        secret: str,
+        access_ttl_s: int,
+        proof_ttl_s: int,
+        verified_cache_size: int = 10_000,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self._access_key = _derive_key(secret, "access-token")
         self._proof_key = _derive_key(secret, "proof-token")
         self.access_ttl_s = access_ttl_s
         self.proof_ttl_s = proof_ttl_s
+        self._clock = clock
+        self._verified: OrderedDict[str, AccessClaims] = OrderedDict()
+        self._verified_cache_size = verified_cache_size
 
     def issue_access(self, client_id: str, now: float | None = None) -> tuple[str, int]:
-        issued = int(now if now is not None else time.time())
+        issued = int(now if now is not None else self._clock())
         claims = {
             "iss": _ISSUER,
             "sub": client_id,
@@ -58,21 +75,38 @@ class TokenSigner:
         return jwt.encode(claims, self._access_key, algorithm=_ALGORITHM), self.access_ttl_s
 
     def verify_access(self, token: str) -> AccessClaims:
+        """The token's claims; AuthenticationFailed when it is invalid or expired. The signature of a token
+        seen before is not checked again; the expiry is, on every call, by this signer's clock."""
+        claims = self._verified.get(token)
+        if claims is not None:
+            self._verified.move_to_end(token)
+        else:
+            claims = self._decode_access(token)
+            if self._verified_cache_size > 0:
+                self._verified[token] = claims
+                if len(self._verified) > self._verified_cache_size:
+                    self._verified.popitem(last=False)  # the least recently used
+        if self._clock() >= claims.expires_at:
+            self._verified.pop(token, None)
+            raise AuthenticationFailed("The access token has expired; request a new one.")
+        return claims
+
+    def _decode_access(self, token: str) -> AccessClaims:
+        """Signature, algorithm, issuer, type and the claims' presence; the expiry is verify_access's."""
         try:
             claims = jwt.decode(
                 token,
                 self._access_key,
                 algorithms=[_ALGORITHM],
                 issuer=_ISSUER,
-                options={"require": ["exp", "iat", "sub", "iss"]},
+                options={"require": ["exp", "iat", "sub", "iss"], "verify_exp": False},
             )
-        except jwt.ExpiredSignatureError:
-            raise AuthenticationFailed("The access token has expired; request a new one.") from None
-        except jwt.InvalidTokenError:
+            expires_at = int(claims["exp"])
+        except (jwt.InvalidTokenError, TypeError, ValueError):
             raise AuthenticationFailed("The access token is invalid.") from None
         if claims.get("typ") != "access":
             raise AuthenticationFailed("The access token is invalid.")
-        return AccessClaims(client_id=str(claims["sub"]), expires_at=int(claims["exp"]))
+        return AccessClaims(client_id=str(claims["sub"]), expires_at=expires_at)
 
     def issue_proof(self, tenant_id: str, face_id: str, now: float | None = None) -> str:
         issued = int(now if now is not None else time.time())

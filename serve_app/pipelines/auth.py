@@ -12,7 +12,13 @@ Throttling is built so that nobody can use it against someone else:
 from __future__ import annotations
 
 from serve_app.domain.errors import AuthenticationFailed, RateLimited
-from serve_app.stores.interfaces import ClientInfo, ClientStore, RateLimiter
+from serve_app.stores.interfaces import (
+    ClientInfo,
+    ClientStore,
+    RateLimiter,
+    RequestAdmission,
+    request_counter_key,
+)
 
 LOGIN_BACKOFF_BASE_S = 1.0  # the first wait once the free attempts are used up; it doubles per attempt
 
@@ -30,6 +36,7 @@ class ClientAuthenticator:
         self,
         clients: ClientStore,
         limiter: RateLimiter,
+        admission: RequestAdmission,
         login_failures_per_window: int,
         login_window_s: int,
         requests_per_minute: int,
@@ -38,6 +45,7 @@ class ClientAuthenticator:
     ) -> None:
         self._clients = clients
         self._limiter = limiter
+        self._admission = admission
         self._failures_allowed = login_failures_per_window
         self._window_s = login_window_s
         self._backoff_max_s = login_backoff_max_s
@@ -71,11 +79,14 @@ class ClientAuthenticator:
         await self._limiter.reset(key)
         return client
 
-    async def active_client(self, client_id: str) -> ClientInfo:
-        client = await self._clients.get(client_id)
-        if client is None or client.revoked:
+    async def admit(self, client_id: str) -> None:
+        """A request with a valid access token of client_id: refused once the client is revoked (or gone),
+        else counted against its request allowance, in one step."""
+        admission = await self._admission.admit(client_id, self._requests_per_minute, 60)
+        if not admission.active:
             raise AuthenticationFailed("This client has been revoked.")
-        return client
+        if admission.retry_after_s:
+            raise RateLimited("Request rate limit exceeded.", admission.retry_after_s)
 
     async def client_by_secret(self, secret: str) -> ClientInfo:
         client = await self._clients.find_by_secret(secret)
@@ -84,6 +95,6 @@ class ClientAuthenticator:
         return client
 
     async def count_request(self, client_id: str) -> None:
-        retry_after = await self._limiter.hit(f"requests:{client_id}", self._requests_per_minute, 60)
+        retry_after = await self._limiter.hit(request_counter_key(client_id), self._requests_per_minute, 60)
         if retry_after:
             raise RateLimited("Request rate limit exceeded.", retry_after)

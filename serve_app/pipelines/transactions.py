@@ -78,5 +78,8 @@ class TransactionService:
         return tx
 
     async def wait_final(self, tx: Transaction, timeout_s: float) -> Transaction:
-        latest = await self._transactions.wait_final(tx.reference_id, timeout_s)
+        """tx as the caller just read (or created) it; its final state if reached within timeout_s."""
+        if tx.state.is_final or timeout_s <= 0:
+            return tx
+        latest = await self._transactions.wait_final(tx.reference_id, timeout_s, seen_pending=True)
         return latest or tx

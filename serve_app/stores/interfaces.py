@@ -39,8 +39,11 @@ class TransactionStore(Protocol):
 
     async def fail(self, reference_id: str, error: str) -> None: ...
 
-    async def wait_final(self, reference_id: str, timeout_s: float) -> Transaction | None:
-        """Return the transaction once final, or its latest state when timeout_s passes."""
+    async def wait_final(
+        self, reference_id: str, timeout_s: float, *, seen_pending: bool = False
+    ) -> Transaction | None:
+        """Return the transaction once final, or its latest state when timeout_s passes. seen_pending: the
+        caller has just read it, not final, so the store need not read it again before waiting."""
 
     async def count_by_state(self) -> dict[str, int]: ...
 
@@ -175,6 +178,24 @@ class ClientStore(Protocol):
         self, client_id: str, min_score: float | None, max_matches: int | None
     ) -> ClientInfo | None:
         """Set (a value) or clear (None) the tenant's overrides; None when the client is unknown."""
+
+
+@dataclass(frozen=True)
+class Admission:
+    active: bool  # the client exists and is not revoked; nothing was counted otherwise
+    retry_after_s: int = 0  # 0: within the client's allowance, else seconds until its window ends
+
+
+def request_counter_key(client_id: str) -> str:
+    """The RateLimiter key under which a client's requests are counted (by RequestAdmission.admit too)."""
+    return f"requests:{client_id}"
+
+
+class RequestAdmission(Protocol):
+    async def admit(self, client_id: str, limit: int, window_s: int) -> Admission:
+        """In one step (one round trip): whether client_id names an active client, and if it does, count one
+        request against its allowance of `limit` per `window_s` (the counter RateLimiter.hit would use for
+        the key `requests:<client_id>`)."""
 
 
 class RateLimiter(Protocol):

@@ -28,6 +28,10 @@ from serve_app.stores.interfaces import ClientInfo
 from serve_app.stores.redis_support import redis_errors, text, text_map
 
 
+def client_key(prefix: str, client_id: str) -> str:
+    return f"{prefix}client:{client_id}"
+
+
 class RedisClientStore:
     def __init__(self, redis: Redis, pepper: str | bytes, prefix: str = "fs:") -> None:
         pepper_bytes = pepper.encode() if isinstance(pepper, str) else bytes(pepper)
@@ -38,7 +42,7 @@ class RedisClientStore:
         self._prefix = prefix
 
     def _client_key(self, client_id: str) -> str:
-        return f"{self._prefix}client:{client_id}"
+        return client_key(self._prefix, client_id)
 
     def _index_key(self, secret_hmac: str) -> str:
         return f"{self._prefix}client-secret:{secret_hmac}"

@@ -51,6 +51,10 @@ return 0
 """
 
 
+def limiter_key(prefix: str, key: str) -> str:
+    return f"{prefix}rl:{hashlib.sha256(key.encode()).hexdigest()}"
+
+
 class RedisRateLimiter:
     def __init__(self, redis: Redis, prefix: str = "fs:") -> None:
         self._redis = redis
@@ -59,7 +63,7 @@ class RedisRateLimiter:
         self._attempt = redis.register_script(_ATTEMPT)
 
     def _key(self, key: str) -> str:
-        return f"{self._prefix}rl:{hashlib.sha256(key.encode()).hexdigest()}"
+        return limiter_key(self._prefix, key)
 
     async def hit(self, key: str, limit: int, window_s: int) -> int:
         """Count one event; 0 when it is within `limit` for the current window, else whole seconds (>= 1)

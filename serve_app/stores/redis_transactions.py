@@ -249,26 +249,27 @@ class RedisTransactionStore:
         if not changed:
             logger.info("transaction %s is unknown or already final; %s ignored", reference_id, state.value)
 
-    async def wait_final(self, reference_id: str, timeout_s: float) -> Transaction | None:
-        """Blocks on the completion signal list with BLPOP, so it returns within a round trip of the
-        completion. The state is read before blocking; a completion in between leaves the signal in the
-        list, so BLPOP returns at once (no lost wake-up)."""
-        tx = await self.get(reference_id)
-        if tx is None or tx.state.is_final or timeout_s <= 0:
-            return tx
+    async def wait_final(
+        self, reference_id: str, timeout_s: float, *, seen_pending: bool = False
+    ) -> Transaction | None:
+        """Blocks on the completion signal list, so it returns within a round trip of the completion.
+
+        BLMOVE from the list onto itself takes the signal and puts it back in one atomic step, so every
+        other waiter on the same transaction sees it too. The state is read before blocking, unless the
+        caller has just read it (seen_pending); a completion in between leaves the signal in the list, so
+        the wait returns at once (no lost wake-up)."""
+        if not seen_pending:
+            tx = await self.get(reference_id)
+            if tx is None or tx.state.is_final or timeout_s <= 0:
+                return tx
         deadline = time.monotonic() + timeout_s
         done_key = self._done_key(reference_id)
         async with redis_errors():
             while (remaining := deadline - time.monotonic()) > 0:
-                popped = await self._redis.blpop(
-                    [done_key], timeout=max(0.01, min(remaining, self._max_block_s))
-                )
-                if popped is not None:
-                    # Put the signal back for any other waiter on the same transaction.
-                    async with self._redis.pipeline(transaction=True) as pipe:
-                        pipe.rpush(done_key, popped[1])
-                        pipe.expire(done_key, self._done_ttl_s)
-                        await pipe.execute()
+                # Fractional seconds, which Redis accepts since 6.0 (redis-py's hint says int).
+                block_s: Any = max(0.01, min(remaining, self._max_block_s))
+                signal = await self._redis.blmove(done_key, done_key, block_s, "LEFT", "RIGHT")
+                if signal is not None:
                     break
         return await self.get(reference_id)
 

@@ -21,20 +21,25 @@ import pytest
 
 from serve_app.domain.errors import BackendUnavailable
 from serve_app.domain.faces import FaceRecord, GalleryEntry
+from serve_app.domain.identifiers import new_client_id
 from serve_app.domain.outcomes import FaceMatch, FaceSearchOutcome
 from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState, new_reference_id
 from serve_app.embedded import EmbeddedMilvus, EmbeddedRedis, EmbeddedServices, free_port
 from serve_app.stores.blobs import LocalBlobStore
 from serve_app.stores.interfaces import (
+    Admission,
     BlobStore,
     ClientStore,
     FaceRecordStore,
     GalleryStore,
     RateLimiter,
+    RequestAdmission,
     TransactionStore,
     WorkQueue,
+    request_counter_key,
 )
 from serve_app.stores.milvus_gallery import MilvusGalleryStore
+from serve_app.stores.redis_admission import RedisRequestAdmission
 from serve_app.stores.redis_clients import RedisClientStore
 from serve_app.stores.redis_ratelimit import RedisRateLimiter
 from serve_app.stores.redis_records import RedisFaceRecordStore
@@ -110,9 +115,10 @@ def test_stores_implement_the_interfaces(tmp_path: Path) -> None:
     records: FaceRecordStore = RedisFaceRecordStore(redis)
     clients: ClientStore = RedisClientStore(redis, pepper=PEPPER)
     limiter: RateLimiter = RedisRateLimiter(redis)
+    admission: RequestAdmission = RedisRequestAdmission(redis)
     gallery_store: GalleryStore = MilvusGalleryStore("http://127.0.0.1:1", model_version="v1", dimension=128)
     blobs: BlobStore = LocalBlobStore(tmp_path)
-    assert all((transactions, queue, records, clients, limiter, gallery_store, blobs))
+    assert all((transactions, queue, records, clients, limiter, admission, gallery_store, blobs))
     with pytest.raises(ValueError):
         RedisClientStore(redis, pepper="short")
     asyncio.run(redis.aclose())
@@ -300,6 +306,20 @@ def test_wait_final_wakes_on_completion_and_times_out(servers: EmbeddedServices)
             # Already final: answered at once, not after its (hour-long) timeout.
             again = await settle(waiters.wait_final(tx.reference_id, 3600.0))
             assert again is not None and again.state is TransactionState.FAILED
+            # A caller that read it pending just before it finished (seen_pending skips the read): the
+            # completion signal left behind answers it at once, however often it is consumed.
+            for _ in range(3):
+                seen = await settle(waiters.wait_final(tx.reference_id, 3600.0, seen_pending=True))
+                assert seen is not None and seen.state is TransactionState.FAILED
+
+            # seen_pending, completed while blocked: wakes up with the final state.
+            pending = make_tx()
+            await waiters.create_and_enqueue(pending)
+            waiting = asyncio.create_task(waiters.wait_final(pending.reference_id, 3600.0, seen_pending=True))
+            await asyncio.sleep(0.01)
+            await worker.complete(pending.reference_id, NO_FACE)
+            woken = await settle(waiting)
+            assert woken is not None and woken.state is TransactionState.COMPLETED
 
             # Not final in time: the latest state after the timeout, longer than one blocking chunk.
             slow = make_tx()
@@ -375,7 +395,9 @@ def test_redis_down_fails_fast_in_every_store() -> None:
         records = RedisFaceRecordStore(redis)
         clients = RedisClientStore(redis, pepper=PEPPER)
         limiter = RedisRateLimiter(redis)
+        admission = RedisRequestAdmission(redis)
         calls: list[Callable[[], Awaitable[Any]]] = [
+            lambda: admission.admit(new_client_id(), 10, 60),
             lambda: tx_store.create_and_enqueue(make_tx()),
             lambda: tx_store.get(new_reference_id()),
             lambda: tx_store.mark_processing("x"),
@@ -571,6 +593,33 @@ def test_rate_limiter(servers: EmbeddedServices) -> None:
             await asyncio.sleep(1.1)  # the window ends
             assert await limiter.hit("k", 1, 1) == 0
             assert 1 <= await limiter.hit("long", 0, 60) <= 60
+        finally:
+            await redis.aclose()
+
+    run(scenario)
+
+
+def test_request_admission_checks_the_client_and_counts_in_one_step(servers: EmbeddedServices) -> None:
+    async def scenario() -> None:
+        redis = connect_redis(str(servers.redis_url))
+        p = prefix()
+        clients = RedisClientStore(redis, pepper=PEPPER, prefix=p)
+        limiter = RedisRateLimiter(redis, prefix=p)
+        admission = RedisRequestAdmission(redis, prefix=p)
+        try:
+            active, _ = await clients.create("admitted")
+            assert [await admission.admit(active.client_id, 2, 60) for _ in range(2)] == [Admission(True)] * 2
+            over = await admission.admit(active.client_id, 2, 60)
+            assert over.active and 1 <= over.retry_after_s <= 60
+            # The same counter the limiter keeps for the Client-Secret path.
+            assert await limiter.peek(request_counter_key(active.client_id), 3, 60) >= 1
+
+            revoked, _ = await clients.create("revoked")
+            assert await clients.revoke(revoked.client_id)
+            for unknown in (revoked.client_id, new_client_id(), "not-a-client-id"):
+                assert await admission.admit(unknown, 2, 60) == Admission(active=False)
+            # Nothing was counted for them.
+            assert await limiter.peek(request_counter_key(revoked.client_id), 1, 60) == 0
         finally:
             await redis.aclose()
 

@@ -56,7 +56,7 @@ from serve_app.pipelines.auth import ClientAuthenticator
 from serve_app.pipelines.processing import ProcessingPolicy, TransactionProcessor
 from serve_app.pipelines.proofs import ProofService
 from serve_app.pipelines.transactions import TransactionService
-from serve_app.stores.interfaces import ClientInfo, QueueEntry
+from serve_app.stores.interfaces import Admission, ClientInfo, QueueEntry, request_counter_key
 from serve_app.stores.outcome_codec import decode_outcome, encode_outcome
 
 EMBEDDING_SIZE = 256  # face model v2 (models.embedder.FUSED_DIM)
@@ -286,7 +286,9 @@ class FakeTransactionStore:
         tx.error = error
         tx.updated_at = self._clock()
 
-    async def wait_final(self, reference_id: str, timeout_s: float) -> Transaction | None:
+    async def wait_final(
+        self, reference_id: str, timeout_s: float, *, seen_pending: bool = False
+    ) -> Transaction | None:
         await self._faults.check("transactions.wait_final")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -607,6 +609,26 @@ class FakeClientStore:
         updated = dataclasses.replace(client, min_score=min_score, max_matches=max_matches)
         self._clients[client_id] = updated
         return updated
+
+
+class FakeRequestAdmission:
+    """RequestAdmission over the fake client store and limiter: the same answers as the Redis script
+    (nothing counted for an unknown or revoked client)."""
+
+    def __init__(self, clients: FakeClientStore, limiter: FakeRateLimiter) -> None:
+        self._clients = clients
+        self._limiter = limiter
+        self.calls = 0
+
+    async def admit(self, client_id: str, limit: int, window_s: int) -> Admission:
+        self.calls += 1
+        client = await self._clients.get(client_id)
+        if client is None or client.revoked:
+            return Admission(active=False)
+        return Admission(
+            active=True,
+            retry_after_s=await self._limiter.hit(request_counter_key(client_id), limit, window_s),
+        )
 
 
 class FakeRateLimiter:
@@ -972,6 +994,7 @@ async def build_api(
     auth = ClientAuthenticator(
         clients,
         limiter,
+        FakeRequestAdmission(clients, limiter),
         login_failures_per_window=login_failures_per_window,
         login_window_s=login_window_s,
         requests_per_minute=requests_per_minute,

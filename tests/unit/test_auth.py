@@ -16,6 +16,7 @@ import pytest
 from jwt.warnings import InsecureKeyLengthWarning
 
 from serve_app.api.tokens import TokenSigner, _derive_key
+from serve_app.domain.errors import AuthenticationFailed
 from serve_app.domain.identifiers import new_client_id
 from tests.unit.fakes import (
     SERVICE_SECRET,
@@ -157,6 +158,51 @@ def test_forged_expired_and_misused_access_tokens_are_401() -> None:
         assert api.world.queue.undelivered == 1
 
     asyncio.run(scenario())
+
+
+def test_a_verified_token_is_remembered_until_it_expires_and_the_memory_is_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    decoded: list[str] = []
+    real_decode = jwt.decode
+
+    def counting_decode(token: str, *args: Any, **kwargs: Any) -> Any:
+        decoded.append(token)
+        return real_decode(token, *args, **kwargs)
+
+    monkeypatch.setattr("serve_app.api.tokens.jwt.decode", counting_decode)
+    clock = ManualClock(start=time.time())
+    signer = TokenSigner(SERVICE_SECRET, access_ttl_s=60, proof_ttl_s=60, verified_cache_size=2, clock=clock)
+    first, _ = signer.issue_access(new_client_id())
+    claims = signer.verify_access(first)
+    assert [signer.verify_access(first) for _ in range(3)] == [claims] * 3
+    assert decoded == [first]  # the signature was checked once
+
+    # Refused tokens are never remembered: each attempt is checked in full.
+    tampered = first[:-2] + ("AA" if not first.endswith("AA") else "BB")
+    for _ in range(2):
+        with pytest.raises(AuthenticationFailed, match="invalid"):
+            signer.verify_access(tampered)
+    assert decoded == [first, tampered, tampered]
+
+    # Bounded: a third token pushes out the least recently used one.
+    second, _ = signer.issue_access(new_client_id())
+    third, _ = signer.issue_access(new_client_id())
+    signer.verify_access(second)
+    signer.verify_access(first)  # now the most recently used
+    signer.verify_access(third)  # evicts second
+    decoded.clear()
+    signer.verify_access(first)
+    signer.verify_access(second)
+    assert decoded == [second]
+
+    # Expiry is checked on every call, remembered or not, to the second of the token's exp.
+    clock.advance(59)
+    assert signer.verify_access(first) == claims
+    clock.advance(1)
+    for _ in range(2):
+        with pytest.raises(AuthenticationFailed, match="expired"):
+            signer.verify_access(first)
 
 
 @pytest.mark.parametrize(

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 
 from serve_app.api import parsing
 from serve_app.api.dependencies import Services, source_of
+from serve_app.api.json_response import JSONResponse
 from serve_app.api.request_models import AccessTokenRequest, validate_body
 from serve_app.api.response_models import Envelope, TokenData, error_responses
 from serve_app.api.routes.bodies import envelope, request_body

@@ -13,11 +13,11 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 from fastapi import APIRouter, Path, Query, Request
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from serve_app.api import parsing
 from serve_app.api.dependencies import ApiServices, Services, Tenant, base_url
+from serve_app.api.json_response import JSONResponse
 from serve_app.api.request_models import ClientReference, InterfaceBody, validate_body
 from serve_app.api.response_models import Envelope, error_responses
 from serve_app.api.routes.bodies import envelope, request_body

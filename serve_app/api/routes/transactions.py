@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
 
 from serve_app.api import parsing
 from serve_app.api.dependencies import Services, Tenant, base_url
+from serve_app.api.json_response import JSONResponse
 from serve_app.api.request_models import (
     AgeEstimationRequest,
     FaceSearchForm,
