@@ -15,8 +15,10 @@ from ray.serve.handle import DeploymentHandle
 from models.embedder import MODEL_VERSION
 from serve_app.deploy_config import WorkerConfig
 from serve_app.deployments.analysis import FusedAnalysis, InProcessAnalysis, SplitAnalysis
+from serve_app.deployments.autoscaling import BACKLOG_METRIC
 from serve_app.deployments.metrics import WorkerMetrics
 from serve_app.deployments.models import RunnerBatcher
+from serve_app.domain.errors import BackendUnavailable
 from serve_app.pipelines.analysis import FaceAnalysisBackend
 from serve_app.pipelines.reconcile import reconcile
 from serve_app.settings import Settings
@@ -59,6 +61,7 @@ class TransactionWorker:
         self._worker, self._stores = build_worker(
             settings, analysis, self._consumer, self._metrics.observe_transaction
         )
+        self._backlog = 0.0  # last queue depth read for the autoscaler
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         # Serve runs constructors inside the replica's event loop: start consuming right away.
@@ -114,6 +117,26 @@ class TransactionWorker:
             raise RuntimeError(f"worker loop stopped: {loop_task.exception()!r}")
         if self._models is not None:
             await self._models.check()
+
+    async def __del__(self) -> None:
+        """Serve's graceful shutdown of this replica (a scale-down, a redeploy): stop claiming, finish the
+        transactions it holds, renewing their leases meanwhile (QueueWorker.run drains before it returns),
+        then stop. Serve kills a replica that takes longer than its graceful_shutdown_timeout_s; the entries
+        it held are then reclaimed by another worker after stale_after_s, so nothing is lost either way."""
+        self._stop.set()
+        consumer, *periodic = self._tasks
+        for task in periodic:
+            task.cancel()
+        await asyncio.gather(consumer, *periodic, return_exceptions=True)
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics, read by QueueBacklogPolicy (deployments/autoscaling.py) when
+        the deployment's autoscaling_config names it; the last known backlog while Redis is away."""
+        try:
+            self._backlog = float(await self._stores.transactions.depth())
+        except BackendUnavailable as error:
+            logger.debug("backlog for autoscaling not read: %s", error.message)
+        return {BACKLOG_METRIC: self._backlog}
 
     async def status(self) -> dict[str, Any]:
         return {

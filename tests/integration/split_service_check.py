@@ -14,6 +14,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +23,13 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import httpx
 
+from serve_app.deploy_config import load_serve_config
+from serve_app.deployments.autoscaling import BACKLOG_METRIC
 from tests.faces_dev import load_faces_dev
 from tests.integration.api_client import age_estimation, auth, face_search_json
 from tests.service_harness import RunningService, running_service
 
+ROOT = Path(__file__).resolve().parents[2]
 # Three model replicas must fit next to the ingress and worker on a 2-CPU box.
 SPLIT_ARGS: dict[str, Any] = {
     "topology": "split",
@@ -70,12 +74,62 @@ def check_search_and_age(service: RunningService, tenant: str) -> None:
         print(f"age crop {crop.path.name}: {data['age']}")
 
 
-# The CPU topology without the worker->model hop: the worker owns the models (one replica, one CPU).
-IN_PROCESS_ARGS: dict[str, Any] = {
-    "topology": "in_process",
-    "model_config": {"intra_op_threads": 1},
-    "deployment_options": {"TransactionWorker": {"ray_actor_options": {"num_cpus": 1}}},
+def check_backlog_metric() -> None:
+    """The in-process worker reports the queue's backlog to Serve's autoscaler (QueueBacklogPolicy)."""
+    from ray import serve
+
+    worker = serve.get_deployment_handle("TransactionWorker", "facesearch")
+    stats = worker.record_autoscaling_stats.remote().result(timeout_s=60)
+    assert set(stats) == {BACKLOG_METRIC} and stats[BACKLOG_METRIC] >= 0, stats
+    print(f"worker reports {stats}")
+
+
+def check_scales_on_backlog(service: RunningService) -> None:
+    """A burst of age estimations queues faster than one worker (concurrency 1) drains it: the autoscaler
+    adds the second worker replica, and removes it again once the queue is empty."""
+    from ray import serve
+
+    def workers() -> dict[str, int]:
+        states = serve.status().applications["facesearch"].deployments["TransactionWorker"].replica_states
+        # Keyed by state name at run time, though typed as ReplicaState.
+        return {str(getattr(state, "value", state)): count for state, count in states.items()}
+
+    token = service.token_for(service.new_client("autoscaling"))
+    crops = [image.path for image in load_faces_dev().of_kind("age")]
+    with service.http(60) as http:
+        for index in range(BURST):
+            age_estimation(http, token, crops[index % len(crops)], enroll_face=0).raise_for_status()
+    _poll(lambda: workers().get("RUNNING", 0) + workers().get("STARTING", 0) >= 2, 120, "a second worker")
+    print(f"scaled up: {workers()}")
+    _poll(lambda: workers() == {"RUNNING": 1}, 300, "the scale-down to one worker")
+    print(f"scaled down: {workers()}")
+
+
+def _poll(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {timeout_s:g} s")
+        time.sleep(0.5)
+
+
+BURST = 300
+# The CPU topology without the worker->model hop, as shipped (the worker owns the models and is autoscaled
+# on the queue's backlog), with the autoscaler's clock sped up and a low target so the scaling check takes
+# seconds: one replica per 4 queued, one transaction at a time per replica.
+IN_PROCESS_ARGS: dict[str, Any] = load_serve_config(ROOT / "config/serve-in-process.yaml")[0].model_dump(
+    by_alias=True
+)
+_WORKER = IN_PROCESS_ARGS["deployment_options"]["TransactionWorker"]
+_WORKER["autoscaling_config"] |= {
+    "upscale_delay_s": 0,
+    "downscale_delay_s": 5,
+    "metrics_interval_s": 1,
+    "look_back_period_s": 2,
 }
+_WORKER["autoscaling_config"]["policy"]["policy_kwargs"] = {"target_backlog_per_replica": 4}
+_WORKER["user_config"] = {"concurrency": 1}
+_WORKER["ray_actor_options"] = {"num_cpus": 0.5}  # room for the second replica on a 2-CPU box
 TOPOLOGIES = {"split": SPLIT_ARGS, "in_process": IN_PROCESS_ARGS}
 
 
@@ -86,6 +140,9 @@ def main(argv: list[str]) -> int:
         running_service(Path(data_dir), TOPOLOGIES[topology]) as service,
     ):
         check_search_and_age(service, topology)
+        if topology == "in_process":
+            check_backlog_metric()
+            check_scales_on_backlog(service)
     print(f"{topology} topology OK")
     return 0
 
