@@ -30,6 +30,14 @@ def new_client_id() -> str:
     return f"cl_{secrets.token_hex(12)}"
 
 
+def new_client_secret() -> str:
+    """A URL-safe secret (256 bits) that never starts with "-", which a command line reads as an option."""
+    while True:
+        secret = secrets.token_urlsafe(32)
+        if not secret.startswith("-"):
+            return secret
+
+
 def is_reference_id(value: object) -> bool:
     return isinstance(value, str) and _REFERENCE_ID.fullmatch(value) is not None
 

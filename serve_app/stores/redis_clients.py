@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import secrets
 import time
 
 from redis.asyncio import Redis
 
-from serve_app.domain.identifiers import is_client_id, new_client_id
+from serve_app.domain.identifiers import is_client_id, new_client_id, new_client_secret
 from serve_app.stores.interfaces import ClientInfo
 from serve_app.stores.redis_support import redis_errors, text, text_map
 
@@ -63,7 +62,7 @@ class RedisClientStore:
 
     async def create(self, name: str) -> tuple[ClientInfo, str]:
         client_id = new_client_id()
-        secret = secrets.token_urlsafe(32)
+        secret = new_client_secret()
         secret_hmac = self._hash(secret)
         created_at = time.time()
         async with redis_errors(), self._redis.pipeline(transaction=True) as pipe:

@@ -29,8 +29,8 @@ def run_cli(
             service.base_url,
             "--client-id",
             client.client_id,
-            "--client-secret",
-            client.client_secret,
+            # The "=" form: an option's value may begin with "-".
+            f"--client-secret={client.client_secret}",
             "--concurrency",
             "3",
             "--no-progress",

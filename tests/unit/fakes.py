@@ -28,7 +28,6 @@ import hmac
 import io
 import itertools
 import math
-import secrets
 import struct
 import time
 import zlib
@@ -49,7 +48,7 @@ from serve_app.api.tokens import TokenSigner
 from serve_app.domain.errors import BackendUnavailable
 from serve_app.domain.faces import FaceRecord, GalleryEntry, GalleryMatch
 from serve_app.domain.gallery import AuditEntry, GalleryCounts
-from serve_app.domain.identifiers import new_client_id
+from serve_app.domain.identifiers import new_client_id, new_client_secret
 from serve_app.domain.outcomes import Outcome
 from serve_app.domain.transactions import Transaction, TransactionState
 from serve_app.pipelines.auth import ClientAuthenticator
@@ -560,7 +559,7 @@ class FakeClientStore:
     async def create(self, name: str) -> tuple[ClientInfo, str]:
         await asyncio.sleep(0)
         client = ClientInfo(client_id=new_client_id(), name=name, created_at=time.time(), revoked=False)
-        secret = secrets.token_urlsafe(32)
+        secret = new_client_secret()
         self._clients[client.client_id] = client
         self._hashes[client.client_id] = self._hash(secret)
         return client, secret

@@ -14,7 +14,7 @@ from redis import exceptions as redis_exceptions
 
 from serve_app.api.limits import client_source, parse_networks
 from serve_app.domain.errors import BackendUnavailable, ModelUnavailable, ServiceError
-from serve_app.domain.identifiers import new_client_id, new_reference_id
+from serve_app.domain.identifiers import new_client_id, new_client_secret, new_reference_id
 from serve_app.stores.milvus_gallery import MilvusGalleryStore
 from serve_app.stores.redis_support import to_backend_unavailable
 from tests.backend_text import assert_no_backend_text
@@ -140,3 +140,9 @@ def test_openapi_states_the_identifier_forms_and_the_login_429() -> None:
     assert re.fullmatch(client_pattern.strip("^$"), new_client_id())
     assert "429" in paths["/request-access-token"]["post"]["responses"]
     assert "429" in paths["/get-proof/{proof_token}"]["get"]["responses"]
+
+
+def test_client_secrets_never_start_like_a_command_line_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    drawn = iter(["-leading-dash", "_fine-secret"])
+    monkeypatch.setattr("serve_app.domain.identifiers.secrets.token_urlsafe", lambda _n: next(drawn))
+    assert new_client_secret() == "_fine-secret"
