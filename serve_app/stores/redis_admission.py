@@ -9,14 +9,12 @@ redis_ratelimit ({p}rl:{sha256(requests:<id>)}).
 
 from __future__ import annotations
 
-import math
-
 from redis.asyncio import Redis
 
 from serve_app.domain.identifiers import is_client_id
 from serve_app.stores.interfaces import Admission, request_counter_key
 from serve_app.stores.redis_clients import client_key
-from serve_app.stores.redis_ratelimit import limiter_key
+from serve_app.stores.redis_ratelimit import fixed_window_count_lua, limiter_key, window_ms, window_verdict
 from serve_app.stores.redis_support import redis_errors
 
 # KEYS[1]: client hash, KEYS[2]: request counter; ARGV[1]: window ms.
@@ -24,14 +22,7 @@ from serve_app.stores.redis_support import redis_errors
 _ADMIT = """
 local revoked = redis.call('HGET', KEYS[1], 'revoked')
 if not revoked or revoked == '1' then return {-1, 0} end
-local count = redis.call('INCR', KEYS[2])
-local ttl = redis.call('PTTL', KEYS[2])
-if count == 1 or ttl < 0 then
-  redis.call('PEXPIRE', KEYS[2], ARGV[1])
-  ttl = tonumber(ARGV[1])
-end
-return {count, ttl}
-"""
+""" + fixed_window_count_lua("KEYS[2]")
 
 
 class RedisRequestAdmission:
@@ -47,9 +38,7 @@ class RedisRequestAdmission:
             limiter_key(self._prefix, request_counter_key(client_id)),
         ]
         async with redis_errors():
-            count, ttl_ms = await self._admit(keys=keys, args=[max(1, int(window_s * 1000))])
+            count, ttl_ms = await self._admit(keys=keys, args=[window_ms(window_s)])
         if int(count) < 0:
             return Admission(active=False)
-        if int(count) <= limit:
-            return Admission(active=True)
-        return Admission(active=True, retry_after_s=max(1, math.ceil(int(ttl_ms) / 1000)))
+        return Admission(active=True, retry_after_s=window_verdict(count, ttl_ms, limit))

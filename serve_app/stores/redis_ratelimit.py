@@ -19,16 +19,34 @@ from redis.asyncio import Redis
 
 from serve_app.stores.redis_support import redis_errors
 
-# Returns {count after increment, milliseconds until the window ends}.
-_HIT = """
-local count = redis.call('INCR', KEYS[1])
-local ttl = redis.call('PTTL', KEYS[1])
+
+def fixed_window_count_lua(counter: str) -> str:
+    """The Lua that counts one event in a fixed window: `counter` names the key (e.g. "KEYS[1]"), ARGV[1] is
+    the window in ms. It returns {count after increment, ms until the window ends}; window_verdict reads it.
+    Also the tail of the admission script (redis_admission), so both count the same way."""
+    return f"""
+local count = redis.call('INCR', {counter})
+local ttl = redis.call('PTTL', {counter})
 if count == 1 or ttl < 0 then
-  redis.call('PEXPIRE', KEYS[1], ARGV[1])
+  redis.call('PEXPIRE', {counter}, ARGV[1])
   ttl = tonumber(ARGV[1])
 end
-return {count, ttl}
+return {{count, ttl}}
 """
+
+
+def window_ms(window_s: float) -> int:
+    return max(1, int(window_s * 1000))
+
+
+def window_verdict(count: int, ttl_ms: int, limit: int) -> int:
+    """0 when the count is within `limit`, else whole seconds (>= 1) until the window ends."""
+    if int(count) <= limit:
+        return 0
+    return max(1, math.ceil(int(ttl_ms) / 1000))
+
+
+_HIT = fixed_window_count_lua("KEYS[1]")
 
 
 # Check and count in one step, so parallel attempts cannot all pass a check made before any of them was
@@ -69,10 +87,8 @@ class RedisRateLimiter:
         """Count one event; 0 when it is within `limit` for the current window, else whole seconds (>= 1)
         until the window ends."""
         async with redis_errors():
-            count, ttl_ms = await self._hit(keys=[self._key(key)], args=[max(1, int(window_s * 1000))])
-        if int(count) <= limit:
-            return 0
-        return max(1, math.ceil(int(ttl_ms) / 1000))
+            count, ttl_ms = await self._hit(keys=[self._key(key)], args=[window_ms(window_s)])
+        return window_verdict(count, ttl_ms, limit)
 
     async def peek(self, key: str, limit: int, window_s: int) -> int:
         """Like hit() without counting: seconds until the window ends when `limit` events were already
