@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,8 +37,11 @@ import numpy as np
 
 from bench.common import format_table, load_image
 from facesearch_client import AsyncFaceSearchClient, Pending, RetryPolicy
-from tests.faces_dev import load_faces_dev
-from tests.service_harness import running_service
+from serve_app.deploy_config import load_serve_config
+from tests.faces_dev import REPO_ROOT, load_faces_dev
+from tests.service_harness import RunningService, running_service
+
+IN_PROCESS_CONFIG = REPO_ROOT / "config" / "serve-in-process.yaml"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -230,6 +233,7 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--phase-timeout", type=float, default=300.0)
+    add_ingress_argument(parser)
     args = parser.parse_args()
 
     dev = load_faces_dev()
@@ -265,17 +269,51 @@ def main() -> None:
     summaries = []
     for topology in args.topology:
         measured = measure_service(topology, workloads["faces"], workloads["ages"], in_process, args)
-        rows += [[row[0], topology, *row[1:]] for row in measured]
+        label = ingress_label(topology, args.ingress)
+        rows += [[row[0], label, *row[1:]] for row in measured]
         for name, prefix in (("faces", "service face-search"), ("ages", "service age")):
             best = max(float(row[2]) for row in measured if row[0].startswith(prefix))
             summaries.append(
-                f"{topology}, {name}: best service throughput {best:.1f} images/s = "
+                f"{label}, {name}: best service throughput {best:.1f} images/s = "
                 f"{best / in_process[name]:.0%} of in-process, "
                 f"{best / reference[name]:.1f}x the dlib-bin reference"
             )
     print(format_table(header, [row + [""] * (len(header) - len(row)) for row in rows]))
     print()
     print("\n".join(summaries))
+
+
+INGRESS_CHOICES = ("shipped", "proxy", "direct")
+
+
+def add_ingress_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--ingress",
+        default="shipped",
+        choices=INGRESS_CHOICES,
+        help="how requests reach the ingress: through Serve's HTTP proxy, straight to the ingress replica's "
+        "own server (direct ingress), or as the topology's shipped config says (direct for in_process)",
+    )
+
+
+def uses_direct_ingress(topology: str, ingress: str) -> bool:
+    if ingress == "shipped":
+        return topology == "in_process" and load_serve_config(IN_PROCESS_CONFIG).direct_ingress
+    return ingress == "direct"
+
+
+def ingress_label(topology: str, ingress: str) -> str:
+    return f"{topology} ({'direct' if uses_direct_ingress(topology, ingress) else 'proxy'})"
+
+
+@contextlib.contextmanager
+def benchmarked_service(
+    data_dir: Path, topology: str, threads: int, ingress: str
+) -> Iterator[RunningService]:
+    """The service as benchmarked on this box, on 127.0.0.1."""
+    direct = uses_direct_ingress(topology, ingress)
+    with running_service(data_dir, app_args_for(topology, threads), direct_ingress=direct) as service:
+        yield service
 
 
 def app_args_for(topology: str, threads: int) -> dict[str, object]:
@@ -297,7 +335,7 @@ def measure_service(
 ) -> list[list[str]]:
     with (
         tempfile.TemporaryDirectory(prefix="facesearch-bench-") as data_dir,
-        running_service(Path(data_dir), app_args_for(topology, args.threads)) as service,
+        benchmarked_service(Path(data_dir), topology, args.threads, args.ingress) as service,
     ):
         token = service.token_for(service.new_client("bench"))
         return asyncio.run(service_rows(service.base_url, token, faces, ages, in_process, args))

@@ -27,9 +27,17 @@ from collections import defaultdict
 from pathlib import Path
 
 from bench.common import format_table
-from bench.service import InProcessRate, ServiceCalls, app_args_for, client_pool, in_process_rate, run_phase
+from bench.service import (
+    InProcessRate,
+    ServiceCalls,
+    add_ingress_argument,
+    benchmarked_service,
+    client_pool,
+    in_process_rate,
+    ingress_label,
+    run_phase,
+)
 from tests.faces_dev import load_faces_dev
-from tests.service_harness import running_service
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 _REPLICA = re.compile(r"ray::ServeReplica:[^:]+:(\w+)")
@@ -144,6 +152,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--phase-timeout", type=float, default=300.0)
+    add_ingress_argument(parser)
     args = parser.parse_args()
     dev = load_faces_dev()
     workloads = {
@@ -156,13 +165,14 @@ def main() -> None:
     }
     with (
         tempfile.TemporaryDirectory(prefix="facesearch-bench-") as data_dir,
-        running_service(Path(data_dir), app_args_for(args.topology, args.threads)) as service,
+        benchmarked_service(Path(data_dir), args.topology, args.threads, args.ingress) as service,
     ):
         token = service.token_for(service.new_client("bench"))
         columns, rates, kinds = asyncio.run(measure(service.base_url, token, workloads, args))
     header, rows = table(columns, rates, kinds, baseline)
     print(
-        f"topology {args.topology}, {args.concurrency} concurrent clients, {args.requests} calls per column"
+        f"topology {ingress_label(args.topology, args.ingress)}, {args.concurrency} concurrent clients, "
+        f"{args.requests} calls per column"
     )
     print(format_table(header, rows))
 

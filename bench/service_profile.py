@@ -32,10 +32,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import format_table
-from bench.service import ServiceCalls, app_args_for, client_pool, run_phase
+from bench.service import (
+    ServiceCalls,
+    add_ingress_argument,
+    benchmarked_service,
+    client_pool,
+    ingress_label,
+    run_phase,
+)
 from bench.service_cpu import process_role
 from tests.faces_dev import load_faces_dev
-from tests.service_harness import running_service
 
 PROFILED_ROLES = ("Serve HTTP proxy", "ApiIngress", "TransactionWorker", "FaceAnalysisModel")
 # Frames on more than this share of the samples (the event loop, a thread's run()) say nothing.
@@ -160,10 +166,11 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--phase-timeout", type=float, default=300.0)
+    add_ingress_argument(parser)
     args = parser.parse_args()
     with (
         tempfile.TemporaryDirectory(prefix="facesearch-bench-") as data_dir,
-        running_service(Path(data_dir), app_args_for(args.topology, args.threads)) as service,
+        benchmarked_service(Path(data_dir), args.topology, args.threads, args.ingress) as service,
     ):
         token = service.token_for(service.new_client("bench"))
         out_dir = args.keep or Path(data_dir) / "profiles"
@@ -184,7 +191,10 @@ def main() -> None:
             for path in sorted(out_dir.glob("*.txt"))
             if path.stat().st_size > 0
         ]
-    print(f"topology {args.topology}, {args.call}, {args.concurrency} clients, {args.seconds} s sampled")
+    print(
+        f"topology {ingress_label(args.topology, args.ingress)}, {args.call}, {args.concurrency} clients, "
+        f"{args.seconds} s sampled"
+    )
     for profile in profiles:
         print(f"\n{profile.role}: {profile.samples} samples on the CPU")
         rows = [

@@ -29,7 +29,7 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from serve_app.deploy_config import load_serve_config
+from serve_app.deploy_config import direct_ingress_env, load_serve_config
 from serve_app.settings import MaxMatches, MinScore, Settings
 
 logger = logging.getLogger("facesearch")
@@ -48,11 +48,17 @@ def start(config: Path, host: str, port: int | None, metrics_port: int) -> int:
     import ray
     from ray import serve
 
-    from serve_app.embedded import start_embedded_backends
+    from serve_app.embedded import free_port, start_embedded_backends
     from serve_app.graph import bind_app
 
     # Validate the config before anything starts: a typo in it stops here, naming the key.
-    args, http_options = load_serve_config(config)
+    serve_config = load_serve_config(config)
+    public_port = port or int(serve_config.http_options.get("port", 8000))
+    proxy_port = public_port
+    if serve_config.direct_ingress:
+        # The ingress replica serves the public port itself; Serve's proxy still starts, on a spare port.
+        proxy_port = free_port()
+        os.environ.update(direct_ingress_env(public_port))
     settings = start_embedded_backends(Settings.from_env())
     ray.init(
         _node_ip_address="127.0.0.1",
@@ -61,9 +67,9 @@ def start(config: Path, host: str, port: int | None, metrics_port: int) -> int:
         dashboard_host="127.0.0.1",
         log_to_driver=True,
     )
-    serve.start(http_options={"host": host, "port": port or int(http_options.get("port", 8000))})
-    serve.run(bind_app(args, settings), name="facesearch", route_prefix="/")
-    print(f"facesearch is serving on http://{host}:{port or http_options.get('port', 8000)}", flush=True)
+    serve.start(http_options={"host": host, "port": proxy_port})
+    serve.run(bind_app(serve_config.args, settings), name="facesearch", route_prefix="/")
+    print(f"facesearch is serving on http://{host}:{public_port}", flush=True)
     stopped = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stopped.set())

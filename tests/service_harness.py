@@ -12,7 +12,6 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import asyncio
 import contextlib
 import os
-import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -22,16 +21,11 @@ from typing import Any
 
 import httpx
 
-from serve_app.embedded import EmbeddedServices
+from serve_app.deploy_config import direct_ingress_env
+from serve_app.embedded import EmbeddedServices, free_port
 from serve_app.settings import Settings
 
 RAY_START_ATTEMPTS = 3
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @dataclass
@@ -87,7 +81,10 @@ def running_service(
     args: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
     start_timeout_s: float = 300,
+    direct_ingress: bool = False,
 ) -> Iterator[RunningService]:
+    """With direct_ingress, clients reach the ingress replica's own HTTP server (base_url), as `facesearch
+    start` sets it up for a config that asks for it; Serve's proxy then listens on a port nobody calls."""
     import ray
     from ray import serve
 
@@ -95,15 +92,21 @@ def running_service(
 
     ray_tmp = Path(f"/tmp/ray-{os.getpid()}")
     ray_tmp.mkdir(parents=True, exist_ok=True)
-    overrides = {**loopback_ray_env(ray_tmp), "FACESEARCH_DATA_DIR": str(data_dir), **(env or {})}
+    direct_port = free_port() if direct_ingress else None
+    overrides = {
+        **loopback_ray_env(ray_tmp),
+        "FACESEARCH_DATA_DIR": str(data_dir),
+        **(direct_ingress_env(direct_port) if direct_port else {}),
+        **(env or {}),
+    }
     saved = {key: os.environ.get(key) for key in overrides}
     os.environ.update(overrides)
     embedded = EmbeddedServices(data_dir)
     embedded.start()
     try:
         settings = Settings.from_env().with_backends(embedded.redis_url, embedded.milvus_uri)
-        port, metrics_port = _start_ray_and_serve(overrides)
-        base_url = f"http://127.0.0.1:{port}"
+        proxy_port, metrics_port = _start_ray_and_serve(overrides)
+        base_url = f"http://127.0.0.1:{direct_port or proxy_port}"
         _deploy(bind_app(args or {}, settings), start_timeout_s)
         _wait_ready(base_url, start_timeout_s)
         yield RunningService(

@@ -117,9 +117,8 @@ BURST = 300
 # The CPU topology without the worker->model hop, as shipped (the worker owns the models and is autoscaled
 # on the queue's backlog), with the autoscaler's clock sped up and a low target so the scaling check takes
 # seconds: one replica per 4 queued, one transaction at a time per replica.
-IN_PROCESS_ARGS: dict[str, Any] = load_serve_config(ROOT / "config/serve-in-process.yaml")[0].model_dump(
-    by_alias=True
-)
+IN_PROCESS_CONFIG = load_serve_config(ROOT / "config/serve-in-process.yaml")
+IN_PROCESS_ARGS: dict[str, Any] = IN_PROCESS_CONFIG.args.model_dump(by_alias=True)
 _WORKER = IN_PROCESS_ARGS["deployment_options"]["TransactionWorker"]
 _WORKER["autoscaling_config"] |= {
     "upscale_delay_s": 0,
@@ -131,13 +130,17 @@ _WORKER["autoscaling_config"]["policy"]["policy_kwargs"] = {"target_backlog_per_
 _WORKER["user_config"] = {"concurrency": 1}
 _WORKER["ray_actor_options"] = {"num_cpus": 0.5}  # room for the second replica on a 2-CPU box
 TOPOLOGIES = {"split": SPLIT_ARGS, "in_process": IN_PROCESS_ARGS}
+# As shipped: the in_process config has clients call the ingress replica's own HTTP server.
+DIRECT_INGRESS = {"split": False, "in_process": IN_PROCESS_CONFIG.direct_ingress}
 
 
 def main(argv: list[str]) -> int:
     topology = argv[0] if argv else "split"
     with (
         tempfile.TemporaryDirectory() as data_dir,
-        running_service(Path(data_dir), TOPOLOGIES[topology]) as service,
+        running_service(
+            Path(data_dir), TOPOLOGIES[topology], direct_ingress=DIRECT_INGRESS[topology]
+        ) as service,
     ):
         check_search_and_age(service, topology)
         if topology == "in_process":

@@ -11,10 +11,12 @@ from pydantic import ValidationError
 
 from serve_app.deploy_config import (
     DEPLOYMENTS,
+    DIRECT_INGRESS_FLAG,
     USER_CONFIGS,
     AppArgs,
     BatchConfig,
     WorkerConfig,
+    direct_ingress_env,
     load_serve_config,
     parse_serve_config,
     validate_user_config,
@@ -148,12 +150,13 @@ def _kuberay_serve_config() -> dict[str, object]:
 
 
 def test_every_shipped_config_validates() -> None:
-    fused, http = load_serve_config(ROOT / "config/serve.yaml")
-    assert fused.topology == "fused" and http["host"] == "127.0.0.1"
+    fused, http, direct_ingress = load_serve_config(ROOT / "config/serve.yaml")
+    assert fused.topology == "fused" and http["host"] == "127.0.0.1" and not direct_ingress
     assert fused.deployment_options["TransactionWorker"]["user_config"] == {"concurrency": 32}
-    gpu, _ = load_serve_config(ROOT / "config/serve-gpu.yaml")
-    kuberay, _ = parse_serve_config(_kuberay_serve_config())
-    for args in (gpu, kuberay):
+    gpu = load_serve_config(ROOT / "config/serve-gpu.yaml")
+    kuberay = parse_serve_config(_kuberay_serve_config())
+    assert not gpu.direct_ingress and not kuberay.direct_ingress  # clusters keep Serve's proxies
+    for args in (gpu.args, kuberay.args):
         assert args.topology == "split"
         assert set(args.deployment_options) == set(DEPLOYMENTS["split"])
         assert args.models["provider_preference"][0] == "CUDAExecutionProvider"
@@ -183,3 +186,33 @@ def test_the_readme_table_is_the_generated_one() -> None:
     begin = readme.index("\n", begin) + 1
     end = readme.index("<!-- /settings-table -->")
     assert readme[begin:end] == markdown_table(), "run `python -m serve_app.settings` and paste its table"
+
+
+def test_the_in_process_config_asks_for_direct_ingress_on_one_ingress_replica() -> None:
+    shipped = load_serve_config(ROOT / "config/serve-in-process.yaml")
+    assert shipped.direct_ingress
+    assert shipped.args.deployment_options["ApiIngress"]["num_replicas"] == 1
+
+
+@pytest.mark.parametrize(
+    "ingress", [{"num_replicas": 2}, {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4}}]
+)
+def test_direct_ingress_refuses_more_than_one_ingress_replica(ingress: dict[str, Any]) -> None:
+    document = yaml.safe_load((ROOT / "config/serve-in-process.yaml").read_text())
+    entry = next(d for d in document["applications"][0]["deployments"] if d["name"] == "ApiIngress")
+    entry.pop("num_replicas")
+    entry |= ingress
+    with pytest.raises(ValueError, match="num_replicas: 1"):
+        parse_serve_config(document)
+
+
+def test_direct_ingress_env_pins_the_ingress_server_to_one_port() -> None:
+    env = direct_ingress_env(8123)
+    assert env[DIRECT_INGRESS_FLAG] == "1"
+    # Ray allocates from range(min, max): exactly the one port, never held back after a release.
+    low, high = (
+        int(env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"]),
+        int(env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]),
+    )
+    assert list(range(low, high)) == [8123]
+    assert env["RAY_SERVE_PORT_QUARANTINE_S"] == "0"
