@@ -124,7 +124,8 @@ def parse_serve_config(document: dict[str, Any]) -> ServeConfig:
     direct_ingress = str(env_vars.get(DIRECT_INGRESS_FLAG, "0")) == "1"
     if direct_ingress:
         ingress = deployment_options.get("ApiIngress", {})
-        if ingress.get("num_replicas") != 1 or "autoscaling_config" in ingress:
+        # Serve's own default is one replica, so leaving num_replicas out is fine.
+        if ingress.get("num_replicas", 1) != 1 or "autoscaling_config" in ingress:
             raise ValueError(
                 f"{DIRECT_INGRESS_FLAG}: the ingress replica serves the public port itself, so ApiIngress "
                 "needs num_replicas: 1 (a second replica would listen on another port, behind no proxy)"

@@ -195,7 +195,12 @@ def test_the_in_process_config_asks_for_direct_ingress_on_one_ingress_replica() 
 
 
 @pytest.mark.parametrize(
-    "ingress", [{"num_replicas": 2}, {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4}}]
+    "ingress",
+    [
+        {"num_replicas": 2},
+        {"num_replicas": "auto"},
+        {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4}},
+    ],
 )
 def test_direct_ingress_refuses_more_than_one_ingress_replica(ingress: dict[str, Any]) -> None:
     document = yaml.safe_load((ROOT / "config/serve-in-process.yaml").read_text())
@@ -216,3 +221,10 @@ def test_direct_ingress_env_pins_the_ingress_server_to_one_port() -> None:
     )
     assert list(range(low, high)) == [8123]
     assert env["RAY_SERVE_PORT_QUARANTINE_S"] == "0"
+
+
+def test_direct_ingress_accepts_serves_default_of_one_ingress_replica() -> None:
+    document = yaml.safe_load((ROOT / "config/serve-in-process.yaml").read_text())
+    entry = next(d for d in document["applications"][0]["deployments"] if d["name"] == "ApiIngress")
+    entry.pop("num_replicas")
+    assert parse_serve_config(document).direct_ingress
