@@ -60,6 +60,9 @@ def start(config: Path, host: str, port: int | None, metrics_port: int) -> int:
         proxy_port = free_port()
         os.environ.update(direct_ingress_env(public_port))
     settings = start_embedded_backends(Settings.from_env())
+    # Replicas read their settings from the environment they inherit from this process (never from bind
+    # arguments, which Ray keeps in its stored state): name the servers just started there.
+    os.environ.update(settings.backend_environment())
     ray.init(
         _node_ip_address="127.0.0.1",
         _metrics_export_port=metrics_port,
@@ -68,7 +71,7 @@ def start(config: Path, host: str, port: int | None, metrics_port: int) -> int:
         log_to_driver=True,
     )
     serve.start(http_options={"host": host, "port": proxy_port})
-    serve.run(bind_app(serve_config.args, settings), name="facesearch", route_prefix="/")
+    serve.run(bind_app(serve_config.args), name="facesearch", route_prefix="/")
     print(f"facesearch is serving on http://{host}:{public_port}", flush=True)
     stopped = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):

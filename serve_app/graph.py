@@ -1,14 +1,18 @@
 """The one place that binds the Serve application graph.
 
 `serve run config/serve.yaml` imports `serve_app.graph:build_app` with the YAML's `args`; the launcher
-(`facesearch start`) and the tests call bind_app with settings of their own. Topologies:
+(`facesearch start`) and the tests call bind_app. Topologies:
 - fused (CPU default): ApiIngress -> TransactionWorker -> FaceAnalysisModel (all models in one replica)
 - split (GPU): ApiIngress -> TransactionWorker -> FaceDetectorModel, FaceEmbedderModel, AgeModel
 - in_process (CPU, no worker->model hop): ApiIngress, TransactionWorker owning the models itself
-The ingress and the worker meet only in Redis (the transaction stream), never through a handle.
+The ingress holds the worker's handle only so the worker is part of the application; work passes between
+them through Redis (the transaction stream), never through that handle.
 
-Building the graph starts nothing: Redis and Milvus are whatever REDIS_URL / MILVUS_URI say (the launcher
-sets them to the embedded servers it started, see serve_app/embedded.py).
+Building the graph starts nothing and binds no settings: every replica reads its own from its process
+environment (Settings.from_env), so the signing key and backend credentials never become bind arguments,
+which Ray pickles into the controller's stored state. Redis and Milvus are whatever REDIS_URL / MILVUS_URI
+say in the replicas' environment (the launcher exports the embedded servers' addresses before it starts
+Ray, whose processes inherit them; on a cluster, every node's environment names them).
 """
 
 from __future__ import annotations
@@ -27,25 +31,27 @@ from serve_app.settings import Settings
 logger = logging.getLogger(__name__)
 
 
-def _require_backends(settings: Settings) -> Settings:
+def _require_backends() -> None:
+    """Fail the build, not every replica, when the environment names no servers (the same environment the
+    replicas will read, on one machine)."""
+    settings = Settings()
     if not (settings.redis.url and settings.milvus.uri):
         raise RuntimeError(
             "REDIS_URL and MILVUS_URI must name the servers: start with `facesearch start`, or run "
             "`facesearch backends` (embedded servers on this machine) and export what it prints"
         )
-    return settings
 
 
 def build_app(args: dict[str, Any]) -> Application:
     """The builder `serve run` / `serve deploy` call with a config's `args` (Serve requires exactly one
-    parameter); settings come from the environment."""
-    return bind_app(args, Settings.from_env())
+    parameter)."""
+    return bind_app(args)
 
 
-def bind_app(args: dict[str, Any] | AppArgs, settings: Settings) -> Application:
-    """The application graph for these args and settings (the launcher and the tests pass their own)."""
+def bind_app(args: dict[str, Any] | AppArgs) -> Application:
+    """The application graph for these args; its deployments read their settings in their replicas."""
     app_args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
-    settings = _require_backends(settings)
+    _require_backends()
     model_config = app_args.models
 
     def configured(deployment: Any) -> Any:  # Serve's decorator leaves the class type to type checkers
@@ -53,17 +59,16 @@ def bind_app(args: dict[str, Any] | AppArgs, settings: Settings) -> Application:
         return deployment.options(**extra) if extra else deployment
 
     if app_args.topology == "in_process":
-        worker = configured(TransactionWorker).bind(settings, model_config=model_config, in_process=True)
+        worker = configured(TransactionWorker).bind(model_config=model_config, in_process=True)
     elif app_args.topology == "fused":
         analysis = configured(FaceAnalysisModel).bind("analysis", model_config)
-        worker = configured(TransactionWorker).bind(settings, analysis_model=analysis)
+        worker = configured(TransactionWorker).bind(analysis_model=analysis)
     else:
         worker = configured(TransactionWorker).bind(
-            settings,
             detector=configured(FaceDetectorModel).bind("detector", model_config),
             embedder=configured(FaceEmbedderModel).bind("embedder", model_config),
             age=configured(AgeModel).bind("age", model_config),
             model_config=model_config,
         )
-    app: Application = configured(ApiIngress).bind(settings, worker)
+    app: Application = configured(ApiIngress).bind(worker)
     return app

@@ -6,8 +6,9 @@ variable is derived from the group's prefix (or named by an alias where an older
 The README's configuration table is generated from these fields (`python -m serve_app.settings`), and a unit
 test keeps the two equal.
 
-Every deployment builds its own Settings in its constructor (no module-level singletons); the launcher and
-the Serve config pass the same environment to all of them.
+Every deployment builds its own Settings in its constructor, from its replica's environment (no
+module-level singletons, and never a bind argument: Ray would keep the signing key in its stored state).
+The launcher exports the embedded servers' addresses before it starts Ray, so all replicas inherit them.
 """
 
 from __future__ import annotations
@@ -285,6 +286,17 @@ class Settings(_Group):
                 raise RuntimeError("FACESEARCH_SECRET_KEY must be set when FACESEARCH_ENV=production")
             auth = auth.model_copy(update={"secret_key": _development_secret(data_dir)})
         return settings.model_copy(update={"data_dir": data_dir, "auth": auth})
+
+    def backend_environment(self) -> dict[str, str]:
+        """The environment variables naming these settings' Redis and Milvus: the launcher exports them
+        before it starts Ray, so every replica reads the same servers from its own environment."""
+        named: list[tuple[type[BaseSettings], str, str | None]] = [
+            (RedisSettings, "url", self.redis.url),
+            (MilvusSettings, "uri", self.milvus.uri),
+        ]
+        return {
+            _variable(model, name, model.model_fields[name]): value for model, name, value in named if value
+        }
 
     def with_backends(self, redis_url: str | None, milvus_uri: str | None) -> Settings:
         """These settings with the given backend addresses (those of started embedded servers)."""

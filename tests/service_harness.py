@@ -105,9 +105,13 @@ def running_service(
     embedded.start()
     try:
         settings = Settings.from_env().with_backends(embedded.redis_url, embedded.milvus_uri)
+        # As the launcher does: the replicas inherit the servers' addresses from this process' environment.
+        backends = settings.backend_environment()
+        saved.update({key: os.environ.get(key) for key in backends if key not in saved})
+        os.environ.update(backends)
         proxy_port, metrics_port = _start_ray_and_serve(overrides)
         base_url = f"http://127.0.0.1:{direct_port or proxy_port}"
-        _deploy(bind_app(args or {}, settings), start_timeout_s)
+        _deploy(bind_app(args or {}), start_timeout_s)
         _wait_ready(base_url, start_timeout_s)
         yield RunningService(
             base_url=base_url,

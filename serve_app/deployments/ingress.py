@@ -25,10 +25,11 @@ from serve_app.settings import Settings
 @serve.deployment(max_ongoing_requests=256, health_check_period_s=10, ray_actor_options={"num_cpus": 0.25})
 @serve.ingress()
 class ApiIngress:
-    def __init__(self, settings: Settings, worker: DeploymentHandle[Any] | None = None) -> None:
+    def __init__(self, worker: DeploymentHandle[Any] | None = None) -> None:
         # The worker handle is held only so the worker deployment is part of the application graph.
         self._worker = worker
-        self._services = build_api_services(settings)
+        # Settings come from this replica's own environment (secrets never travel as bind arguments).
+        self._services = build_api_services(Settings.from_env())
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return create_app(self._services)

@@ -34,7 +34,6 @@ logger = logging.getLogger(__name__)
 class TransactionWorker:
     def __init__(
         self,
-        settings: Settings,
         analysis_model: DeploymentHandle[Any] | None = None,
         detector: DeploymentHandle[Any] | None = None,
         embedder: DeploymentHandle[Any] | None = None,
@@ -55,6 +54,9 @@ class TransactionWorker:
             raise ValueError(
                 "TransactionWorker needs in_process, analysis_model, or detector, embedder and age"
             )
+        # Read in the replica from its own environment: the signing key and backend credentials are never
+        # bind arguments, which Ray pickles into the controller's stored state.
+        settings = Settings.from_env()
         self._settings = settings
         self._consumer = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._metrics = WorkerMetrics()
