@@ -134,8 +134,14 @@ class QueueWorker:
     async def _handle(self, entry: QueueEntry) -> None:
         if entry.deliveries > self._policy.max_deliveries:
             # A poison entry (its attempts failed or killed their worker): fail it rather than retry forever.
-            await self._processor.give_up(entry.reference_id, "The transaction could not be processed.")
-            await self._queue.ack([entry.entry_id])
+            try:
+                await self._processor.give_up(entry.reference_id, "The transaction could not be processed.")
+                await self._queue.ack([entry.entry_id])
+            except Exception:
+                # Not acknowledged: reclaimed later, and the give-up (idempotent) finishes then.
+                logger.exception(
+                    "worker %s: giving up %s failed; will retry", self.consumer, entry.reference_id
+                )
             return
         started = time.perf_counter()
         try:
