@@ -354,3 +354,30 @@ def test_a_poison_entry_whose_first_attempt_enrolled_ends_failed_with_nothing_en
         assert tx.image_key not in world.blobs.items
 
     asyncio.run(scenario())
+
+
+def test_a_dead_consumer_is_forgotten_once_its_entry_was_reclaimed_and_it_stayed_idle() -> None:
+    async def scenario() -> None:
+        world = new_world()
+        clock = world.queue_clock
+        assert isinstance(clock, ManualClock)
+        tx = await submit(world)
+        assert len(await world.queue.claim("replica-before-restart", 1, 0)) == 1  # ... and it dies
+        # The stale and gone windows pass on the queue's manual clock; the worker prunes every 20 ms.
+        policy = dataclasses.replace(FAST, stale_after_s=0.05, gone_after_stale_windows=2)
+        worker = make_worker(world, policy, consumer="replica-after-restart")
+        async with running(worker):
+            await wait_until(
+                lambda: "replica-after-restart" in world.queue.consumers, what="the worker in the group"
+            )
+            clock.advance(policy.stale_after_s)
+            await wait_until(lambda: state(world, tx) is TransactionState.COMPLETED, what="reclaimed, done")
+            await asyncio.sleep(0.05)  # several prune rounds: idle for one stale window is not gone
+            assert "replica-before-restart" in world.queue.consumers
+            clock.advance(policy.consumer_gone_after_s)
+            await wait_until(
+                lambda: set(world.queue.consumers) == {"replica-after-restart"}, what="the dead one removed"
+            )
+        assert worker.processed == 1
+
+    asyncio.run(scenario())
