@@ -131,11 +131,13 @@ class TransactionProcessor:
             result = await self._face_search(tx, image)
         else:
             result = await self._age_estimation(tx, image)
-        await self._transactions.complete(reference_id, result)
+        completed = await self._transactions.complete(reference_id, result)
         if not tx.enroll_face or not result.enrolled:
             await self._blobs.delete(tx.image_key)  # nothing refers to the upload any more
             return
-        final = await self._transactions.get(reference_id)
+        if completed:
+            return
+        final = await self._transactions.get(reference_id)  # final already: completed by another attempt?
         if final is not None and final.state is TransactionState.FAILED:
             # This attempt outlived its lease (its worker stalled) and the transaction was given up
             # meanwhile; complete() changed nothing. What it enrolled after the give-up is taken back here.

@@ -35,7 +35,9 @@ class TransactionStore(Protocol):
     async def mark_processing(self, reference_id: str) -> Transaction | None:
         """Move QUEUED/PROCESSING → PROCESSING, bump attempts; None if unknown or already final."""
 
-    async def complete(self, reference_id: str, result: Outcome) -> None: ...
+    async def complete(self, reference_id: str, result: Outcome) -> bool:
+        """True when this call made the transaction final; False when it was final already (a final state
+        is never overwritten) or is unknown."""
 
     async def fail(self, reference_id: str, error: str) -> None: ...
 

@@ -276,13 +276,13 @@ class RedisTransactionStore:
             )
         return _decode(_pairs_to_dict(flat)) if flat else None
 
-    async def complete(self, reference_id: str, result: Outcome) -> None:
-        await self._finish(reference_id, TransactionState.COMPLETED, "result", encode_outcome(result))
+    async def complete(self, reference_id: str, result: Outcome) -> bool:
+        return await self._finish(reference_id, TransactionState.COMPLETED, "result", encode_outcome(result))
 
     async def fail(self, reference_id: str, error: str) -> None:
         await self._finish(reference_id, TransactionState.FAILED, "error", error)
 
-    async def _finish(self, reference_id: str, state: TransactionState, field: str, value: str) -> None:
+    async def _finish(self, reference_id: str, state: TransactionState, field: str, value: str) -> bool:
         async with redis_errors():
             changed = await self._finalize(
                 keys=[self._tx_key(reference_id), self._counts, self._done_key(reference_id)],
@@ -290,6 +290,7 @@ class RedisTransactionStore:
             )
         if not changed:
             logger.info("transaction %s is unknown or already final; %s ignored", reference_id, state.value)
+        return bool(changed)
 
     async def wait_final(
         self, reference_id: str, timeout_s: float, *, seen_pending: bool = False

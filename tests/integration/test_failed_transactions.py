@@ -74,7 +74,7 @@ class WorkerKilled(Exception):
 class DiesBeforeCompleting(RedisTransactionStore):
     """The real store, on a worker that is killed when it is about to complete a transaction."""
 
-    async def complete(self, reference_id: str, result: Outcome) -> None:
+    async def complete(self, reference_id: str, result: Outcome) -> bool:
         raise WorkerKilled(reference_id)
 
 

@@ -281,12 +281,12 @@ class FakeTransactionStore:
         tx.updated_at = self._clock()
         return copy.deepcopy(tx)
 
-    async def complete(self, reference_id: str, result: Outcome) -> None:
+    async def complete(self, reference_id: str, result: Outcome) -> bool:
         await self._faults.check("transactions.complete")
         tx = self._items.get(reference_id)
         # Through the stores' one JSON form, as Redis would keep it.
         stored = decode_outcome(tx.kind, encode_outcome(result)) if tx is not None else result
-        self._finalise(reference_id, TransactionState.COMPLETED, result=stored)
+        return self._finalise(reference_id, TransactionState.COMPLETED, result=stored)
 
     async def fail(self, reference_id: str, error: str) -> None:
         await self._faults.check("transactions.fail")
@@ -294,14 +294,15 @@ class FakeTransactionStore:
 
     def _finalise(
         self, reference_id: str, state: TransactionState, result: Any = None, error: str | None = None
-    ) -> None:
+    ) -> bool:
         tx = self._items.get(reference_id)
         if tx is None or tx.state.is_final:
-            return  # a final state is never overwritten
+            return False  # a final state is never overwritten
         tx.state = state
         tx.result = result
         tx.error = error
         tx.updated_at = self._clock()
+        return True
 
     async def wait_final(
         self, reference_id: str, timeout_s: float, *, seen_pending: bool = False
