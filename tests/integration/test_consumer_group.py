@@ -51,7 +51,7 @@ POLICY = WorkerPolicy(
     claim_block_ms=50,
     reclaim_every_s=0.05,
     backoff_s=0.05,
-    gone_after_stale_windows=3,  # silent for 0.6 s: gone; each worker prunes (its heartbeat) every 0.12 s
+    gone_after_stale_windows=10,  # silent for 2 s: gone; each worker prunes (its heartbeat) every 0.4 s
 )
 HANG_GUARD_S = 60.0  # every wait below is a poll that ends far sooner; this only stops a hang
 
@@ -232,7 +232,7 @@ def test_a_live_consumer_is_never_removed_however_long_it_works_on_one_entry(red
             gone_after_ms = int(POLICY.consumer_gone_after_s * 1000)
             busy = q.worker(
                 "TransactionWorker#busy",
-                SlowAnalysis(8 * POLICY.consumer_gone_after_s),
+                SlowAnalysis(4 * POLICY.consumer_gone_after_s),
                 dataclasses.replace(POLICY, concurrency=1),
             )
             everyone = {"TransactionWorker#busy", "TransactionWorker#idle", "TransactionWorker#pruner"}
