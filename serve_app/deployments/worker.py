@@ -6,10 +6,10 @@ import asyncio
 import logging
 import os
 import socket
-import uuid
 from typing import Any
 
 from ray import serve
+from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 
 from models.embedder import MODEL_VERSION
@@ -26,6 +26,20 @@ from serve_app.stores.blobs import LocalBlobStore
 from serve_app.wiring import build_worker, gallery_store, worker_policy
 
 logger = logging.getLogger(__name__)
+
+
+def consumer_name() -> str:
+    """This replica's name in the work queue's consumer group: its Serve replica id, as Serve's logs and
+    `serve status` name the replica, so an operator can tell which replica holds which entries. It stays
+    the same for the replica's whole life. A replica Serve starts in place of a dead one has a new id; the
+    dead one's name leaves the group once its entries were reclaimed (QueueWorker prunes gone consumers).
+    Not Serve's replica rank: Serve reassigns ranks among running replicas, so two live replicas could
+    come to share a name."""
+    try:
+        context = serve.get_replica_context()
+    except RayServeException:  # constructed outside a Serve replica (never in the deployed graph)
+        return f"{socket.gethostname()}-{os.getpid()}"
+    return f"{context.deployment}#{context.replica_tag}"
 
 
 @serve.deployment(
@@ -58,7 +72,7 @@ class TransactionWorker:
         # bind arguments, which Ray pickles into the controller's stored state.
         settings = Settings.from_env()
         self._settings = settings
-        self._consumer = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self._consumer = consumer_name()
         self._metrics = WorkerMetrics()
         self._worker, self._stores = build_worker(
             settings, analysis, self._consumer, self._metrics.observe_transaction

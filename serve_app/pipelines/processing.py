@@ -4,6 +4,9 @@ result.
 Every step is idempotent so a transaction reclaimed after a worker died can simply be processed again:
 the enrolled face id is derived from the reference id, writes are upserts, and a final state is never
 overwritten.
+
+A transaction's outcome and the gallery agree: `completed` with `enrolled` means its face is searchable,
+and `failed` means nothing of it is (see TransactionProcessor.give_up).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from serve_app.domain.outcomes import (
     Outcome,
     QualityReport,
 )
-from serve_app.domain.transactions import Transaction, TransactionKind
+from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState
 from serve_app.imaging.decode import decode_image
 from serve_app.pipelines.analysis import FaceAnalysisBackend
 from serve_app.stores.interfaces import (
@@ -118,24 +121,90 @@ class TransactionProcessor:
         try:
             image = await self._load_image(tx)
         except ImageUnusable as error:
-            await self._transactions.fail(reference_id, error.message)
-            await self._blobs.delete(tx.image_key)  # a failed transaction's upload is never used again
+            # An earlier attempt may have enrolled from this very upload before its worker died: the image
+            # is unusable now only if it was removed (an erasure, which took the face too) or the decode
+            # limits were lowered between the attempts. Either way the face goes with the failure.
+            await self._fail(reference_id, error.message)
             return
         result: Outcome
         if tx.kind is TransactionKind.FACE_SEARCH:
             result = await self._face_search(tx, image)
         else:
             result = await self._age_estimation(tx, image)
-        await self._transactions.complete(reference_id, result)
+        completed = await self._transactions.complete(reference_id, result)
         if not tx.enroll_face or not result.enrolled:
             await self._blobs.delete(tx.image_key)  # nothing refers to the upload any more
+            return
+        if completed:
+            return
+        final = await self._transactions.get(reference_id)  # final already: completed by another attempt?
+        if final is not None and final.state is TransactionState.FAILED:
+            # This attempt outlived its lease (its worker stalled) and the transaction was given up
+            # meanwhile; complete() changed nothing. What it enrolled after the give-up is taken back here.
+            await self._withdraw(final)
 
     async def give_up(self, reference_id: str, message: str) -> None:
-        """Fail a transaction that cannot be processed, and drop its upload unless it became a proof."""
+        """Fail a transaction whose attempts keep failing (or killing their worker), and take back what an
+        earlier attempt enrolled: its face's vector, record and proof image.
+
+        An attempt enrols before it completes, so one that died in between leaves the face searchable. The
+        outcome and the gallery must then agree one way or the other, and only `failed` can be told
+        truthfully: completing instead would need the matches of the search that the dead attempt ran and
+        never recorded, and producing them again is exactly what kept failing. A face left behind under a
+        failed transaction would be a face the client was told was not stored; it would keep matching,
+        and the client's natural retry would enrol the same person a second time. So `failed` means: no
+        face of this transaction is in the gallery, and submitting the image again is safe.
+
+        An override (allow_override) is taken back the same way, but what it replaced cannot be restored:
+        the new face is written first and the face it replaces removed second, so an attempt that died
+        after the removal leaves the client_reference with no face once its own is withdrawn. The error
+        then says so, and the client's retry enrols the image as the reference's only face. An attempt
+        that died before the removal leaves the earlier face in place, as if the override never ran.
+        Serialised with enrolments and erasures of the reference by its lock.
+
+        Idempotent: a give-up interrupted half-way is finished when the entry is delivered again. A
+        transaction that completed meanwhile keeps its face."""
+        tx = await self._transactions.get(reference_id)
+        if tx is not None and not tx.state.is_final and await self._replaced_already(tx):
+            message += (
+                " The face enrolled earlier under this client_reference had already been replaced and is"
+                " no longer stored; submit the image again to enrol it."
+            )
+        await self._fail(reference_id, message)
+
+    async def _replaced_already(self, tx: Transaction) -> bool:
+        """Whether an attempt of this override enrolled its face and removed the one it replaces."""
+        if not (tx.allow_override and tx.client_reference):
+            return False
+        own = await self._records.get(tx.tenant_id, enrolled_face_id(tx.reference_id))
+        if own is None or own.replaces is None or own.replaces == own.face_id:
+            return False
+        return await self._records.get(tx.tenant_id, own.replaces) is None
+
+    async def _fail(self, reference_id: str, message: str) -> None:
+        """Fail the transaction (a no-op when it is final already), then, if it did end failed, remove what
+        any of its attempts enrolled."""
         await self._transactions.fail(reference_id, message)
         tx = await self._transactions.get(reference_id)
-        if tx is not None and await self._records.get(tx.tenant_id, enrolled_face_id(reference_id)) is None:
-            await self._blobs.delete(tx.image_key)
+        if tx is not None and tx.state is TransactionState.FAILED:
+            await self._withdraw(tx)
+
+    async def _withdraw(self, tx: Transaction) -> None:
+        """Remove this transaction's own face, in the order `remove` uses (vector, record, then the upload,
+        which is its proof image), under the reference's lock. Only its own: the face an override was to
+        replace is never touched here. Every step is a no-op when there is nothing to remove."""
+        if tx.enroll_face:
+            face_id = enrolled_face_id(tx.reference_id)
+            if tx.client_reference:
+                async with self._records.reference_lock(
+                    tx.tenant_id, tx.client_reference, self._policy.override_lock_timeout_s
+                ):
+                    await self._gallery.delete(tx.tenant_id, [face_id])
+                    await self._records.delete(tx.tenant_id, face_id)
+            else:
+                await self._gallery.delete(tx.tenant_id, [face_id])
+                await self._records.delete(tx.tenant_id, face_id)
+        await self._blobs.delete(tx.image_key)  # never used again: not an upload in flight, not a proof
 
     async def _load_image(self, tx: Transaction) -> Any:
         stored = await self._blobs.get(tx.image_key)
@@ -281,6 +350,12 @@ class TransactionProcessor:
 
     async def _override(self, record: FaceRecord, face: AnalyzedFace) -> bool:
         assert record.client_reference is not None
+        current = await self._transactions.get(record.reference_id)
+        if current is not None and current.state is TransactionState.FAILED:
+            # Given up while this attempt waited (its worker stalled past its lease): the give-up keeps the
+            # reference's earlier face, so a late attempt must not remove it. Under the reference's lock,
+            # as the give-up's withdrawal is.
+            return False
         earlier_attempt = await self._records.get(record.tenant_id, record.face_id)
         if earlier_attempt is not None:
             # A retry: keep the decision the first attempt recorded.

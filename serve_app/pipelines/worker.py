@@ -4,6 +4,8 @@ An entry is acknowledged only after its transaction reached a final state, so a 
 leaves it pending; any live worker reclaims it after `stale_after_s` and finishes it. A live worker renews
 its lease on the entries it is still working on (their idle time restarts, their delivery count does not
 grow), so a slow transaction is never reclaimed and processed a second time while its worker is alive.
+Every worker also removes, now and then, the consumers of workers that are gone (their entries reclaimed,
+untouched for many stale windows), so restarts do not make the consumer group grow.
 """
 
 from __future__ import annotations
@@ -33,11 +35,26 @@ class WorkerPolicy:
     reclaim_every_s: float = 5.0
     backoff_s: float = 1.0
     outage_backoff_s: float = 2.0
+    gone_after_stale_windows: float = 10.0
 
     @property
     def lease_renew_every_s(self) -> float:
         # Three renewals per stale window: one late renewal still leaves the lease alive.
         return min(self.reclaim_every_s, self.stale_after_s / 3)
+
+    @property
+    def consumer_gone_after_s(self) -> float:
+        """How long a consumer must have been silent (no entry handed to it, no prune call of its own)
+        before it counts as gone. Well beyond the stale window, so a dead worker's entries were reclaimed
+        long before, and beyond every period of the worker loop."""
+        longest = max(self.stale_after_s, self.claim_block_ms / 1000, self.reclaim_every_s)
+        return longest * self.gone_after_stale_windows
+
+    @property
+    def prune_every_s(self) -> float:
+        # Five heartbeats per gone window: a live worker is never silent for that long, even when some
+        # rounds are late.
+        return self.consumer_gone_after_s / 5
 
 
 class QueueWorker:
@@ -69,9 +86,12 @@ class QueueWorker:
 
     async def run(self, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
-        next_reclaim = next_renewal = 0.0
+        next_reclaim = next_renewal = next_prune = 0.0
         while not stop.is_set():
             try:
+                if loop.time() >= next_prune:
+                    next_prune = loop.time() + self._policy.prune_every_s
+                    await self._prune_gone_consumers()
                 # Only with a free slot: the queue refuses a request for zero entries (Redis: COUNT 0).
                 reclaim_due = loop.time() >= next_reclaim and self._free_slots() > 0
                 if reclaim_due or loop.time() >= next_renewal:
@@ -97,6 +117,14 @@ class QueueWorker:
                 logger.warning("worker %s: %s; retrying", self.consumer, error.message)
                 await asyncio.sleep(self._policy.backoff_s)
         await self.drain()
+
+    async def _prune_gone_consumers(self) -> None:
+        """Forget the consumers of workers that are gone (restarted or scaled away), so the group does not
+        grow with every restart; their entries were reclaimed first (see WorkQueue.prune_consumers)."""
+        gone_after_ms = int(self._policy.consumer_gone_after_s * 1000)
+        removed = await self._queue.prune_consumers(self.consumer, gone_after_ms)
+        if removed:
+            logger.info("worker %s: removed gone consumers %s from the queue", self.consumer, sorted(removed))
 
     async def _renew_leases(self) -> None:
         working_on = sorted(self._active_entries)
@@ -134,8 +162,14 @@ class QueueWorker:
     async def _handle(self, entry: QueueEntry) -> None:
         if entry.deliveries > self._policy.max_deliveries:
             # A poison entry (its attempts failed or killed their worker): fail it rather than retry forever.
-            await self._processor.give_up(entry.reference_id, "The transaction could not be processed.")
-            await self._queue.ack([entry.entry_id])
+            try:
+                await self._processor.give_up(entry.reference_id, "The transaction could not be processed.")
+                await self._queue.ack([entry.entry_id])
+            except Exception:
+                # Not acknowledged: reclaimed later, and the give-up (idempotent) finishes then.
+                logger.exception(
+                    "worker %s: giving up %s failed; will retry", self.consumer, entry.reference_id
+                )
             return
         started = time.perf_counter()
         try:

@@ -35,7 +35,9 @@ class TransactionStore(Protocol):
     async def mark_processing(self, reference_id: str) -> Transaction | None:
         """Move QUEUED/PROCESSING → PROCESSING, bump attempts; None if unknown or already final."""
 
-    async def complete(self, reference_id: str, result: Outcome) -> None: ...
+    async def complete(self, reference_id: str, result: Outcome) -> bool:
+        """True when this call made the transaction final; False when it was final already (a final state
+        is never overwritten) or is unknown."""
 
     async def fail(self, reference_id: str, error: str) -> None: ...
 
@@ -62,6 +64,14 @@ class WorkQueue(Protocol):
         """Renew this consumer's lease on entries it is still working on: their idle time restarts, their
         delivery count does not grow. Returns the ids it still holds; one another consumer reclaimed
         meanwhile is left to that consumer."""
+
+    async def prune_consumers(self, consumer: str, gone_after_ms: int) -> list[str]:
+        """Keep the consumer group to the workers that are alive, so it does not grow with every restart.
+        Records that `consumer` (the caller) is alive, then removes every other consumer that is gone: it
+        holds no pending entry, and for gone_after_ms it has neither been handed an entry nor called this
+        method. A dead consumer's entries are first moved to a live one by reclaim_stale; until then it is
+        kept (they would be lost with it). Live workers call this well within gone_after_ms, so a live one
+        is never removed, whether it is idle or busy with one long entry. Returns the names removed."""
 
     async def ack(self, entry_ids: Sequence[str]) -> None: ...
 

@@ -5,6 +5,7 @@ Keys (prefix default "fs:"):
   {p}txn-done:{reference_id}  short-lived list: the completion signal wait_final blocks on
   {p}sys:tx-counts            hash state -> number of transactions in that state
   {p}sys:tx-queue             stream of {"ref": reference_id}; consumer group "workers"
+  {p}sys:tx-consumers         sorted set consumer -> last heartbeat (Redis server time, ms)
 
 Each family has a prefix that no other key starts with, so a reference_id can only ever name a key of its
 own family (an earlier layout put the queue at {p}tx:queue, where reference_id "queue" reached it). The API
@@ -17,6 +18,13 @@ into []), and they stay atomic: a final state is never overwritten.
 
 Acknowledging an entry also deletes it from the stream, so the stream holds exactly the entries that are
 not yet acknowledged and depth() is XLEN.
+
+Each worker replica is one consumer of the group, named after its Serve replica. A replica that dies leaves
+its consumer behind; once its entries have been reclaimed and it has been silent long past the stale window,
+prune_consumers removes it, so the group holds the live workers and the recently dead ones, however often
+workers restart. Whether a consumer is silent is read from a heartbeat each worker leaves when it prunes,
+not only from the group's own idle time: Redis 6.2 moves that only when entries are delivered or claimed,
+so a live worker polling an empty queue would look as idle as a dead one.
 """
 
 from __future__ import annotations
@@ -97,6 +105,38 @@ end
 return held
 """
 
+# Forgetting consumers that are gone. KEYS: stream, heartbeat set. ARGV: group, gone_after_ms, the calling
+# consumer, the most to remove. The caller is alive: it is added to the group (XINFO lists it even before
+# its first entry) and its heartbeat is set to now. Then every other consumer that holds no pending entry,
+# has had no entry delivered or claimed for gone_after_ms and has left no heartbeat for as long is removed.
+# One script, so no consumer can be handed an entry between the check and XGROUP DELCONSUMER: that command
+# drops the consumer's pending entries with it, and an entry dropped so is never delivered again. Heartbeats
+# older than the window go too. Returns the names removed.
+_PRUNE = """
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local gone_after_ms = tonumber(ARGV[2])
+local most = tonumber(ARGV[4])
+local removed = {}
+redis.call('XGROUP', 'CREATECONSUMER', KEYS[1], ARGV[1], ARGV[3])
+redis.call('ZADD', KEYS[2], now_ms, ARGV[3])
+for _, consumer in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
+  if #removed >= most then break end
+  local info = {}
+  for i = 1, #consumer, 2 do info[consumer[i]] = consumer[i + 1] end
+  local name = info['name']
+  if name ~= ARGV[3] and tonumber(info['pending']) == 0 and tonumber(info['idle']) >= gone_after_ms then
+    local beat = redis.call('ZSCORE', KEYS[2], name)
+    if not beat or now_ms - tonumber(beat) >= gone_after_ms then
+      redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], name)
+      removed[#removed + 1] = name
+    end
+  end
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. (now_ms - gone_after_ms))
+return removed
+"""
+
 
 def _encode(tx: Transaction) -> dict[FieldT, EncodableT]:
     fields: dict[FieldT, EncodableT] = {
@@ -174,6 +214,7 @@ class RedisTransactionStore:
         self._prefix = prefix
         self._stream = f"{prefix}sys:tx-queue"
         self._counts = f"{prefix}sys:tx-counts"
+        self._consumers = f"{prefix}sys:tx-consumers"
         self._group = group
         self._finished_ttl_s = finished_ttl_s or 0
         # A completion signal never outlives its transaction.
@@ -187,6 +228,7 @@ class RedisTransactionStore:
         self._mark_processing = redis.register_script(_MARK_PROCESSING)
         self._finalize = redis.register_script(_FINALIZE)
         self._renew = redis.register_script(_RENEW)
+        self._prune = redis.register_script(_PRUNE)
 
     def _tx_key(self, reference_id: str) -> str:
         return f"{self._prefix}txn:{reference_id}"
@@ -234,13 +276,13 @@ class RedisTransactionStore:
             )
         return _decode(_pairs_to_dict(flat)) if flat else None
 
-    async def complete(self, reference_id: str, result: Outcome) -> None:
-        await self._finish(reference_id, TransactionState.COMPLETED, "result", encode_outcome(result))
+    async def complete(self, reference_id: str, result: Outcome) -> bool:
+        return await self._finish(reference_id, TransactionState.COMPLETED, "result", encode_outcome(result))
 
     async def fail(self, reference_id: str, error: str) -> None:
         await self._finish(reference_id, TransactionState.FAILED, "error", error)
 
-    async def _finish(self, reference_id: str, state: TransactionState, field: str, value: str) -> None:
+    async def _finish(self, reference_id: str, state: TransactionState, field: str, value: str) -> bool:
         async with redis_errors():
             changed = await self._finalize(
                 keys=[self._tx_key(reference_id), self._counts, self._done_key(reference_id)],
@@ -248,6 +290,7 @@ class RedisTransactionStore:
             )
         if not changed:
             logger.info("transaction %s is unknown or already final; %s ignored", reference_id, state.value)
+        return bool(changed)
 
     async def wait_final(
         self, reference_id: str, timeout_s: float, *, seen_pending: bool = False
@@ -394,6 +437,24 @@ class RedisTransactionStore:
             await self._ensure_group()
             held = await self._renew(keys=[self._stream], args=[self._group, consumer, *entry_ids])
         return [text(entry_id) for entry_id in held or []]
+
+    async def prune_consumers(self, consumer: str, gone_after_ms: int, limit: int = 1000) -> list[str]:
+        """limit: the most consumers one call removes (a group that grew for long, before pruning existed,
+        is worked off over several calls, each a short script)."""
+        if gone_after_ms <= 0 or limit <= 0:
+            raise ValueError("gone_after_ms and limit must be positive")
+        async with redis_errors():
+            await self._ensure_group()
+            try:
+                removed = await self._prune(
+                    keys=[self._stream, self._consumers], args=[self._group, gone_after_ms, consumer, limit]
+                )
+            except redis_exceptions.ResponseError as error:
+                if "NOGROUP" not in str(error):
+                    raise
+                self._group_ready = False  # the stream or group vanished: recreated by the next call
+                return []
+        return [text(name) for name in removed or []]
 
     async def ack(self, entry_ids: Sequence[str]) -> None:
         if not entry_ids:

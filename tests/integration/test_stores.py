@@ -186,9 +186,9 @@ def test_transaction_lifecycle(servers: EmbeddedServices) -> None:
             first = FaceSearchOutcome(
                 is_face_found=True, matches=(FaceMatch("f1", 0.97, 'ref "quoted"'),), enrolled=True
             )
-            await store.complete(tx.reference_id, first)
+            assert await store.complete(tx.reference_id, first) is True
             await store.fail(tx.reference_id, "too late")  # never overwrites a final state
-            await store.complete(tx.reference_id, FaceSearchOutcome(is_face_found=False))
+            assert await store.complete(tx.reference_id, FaceSearchOutcome(is_face_found=False)) is False
             assert await store.mark_processing(tx.reference_id) is None
             final = await store.get(tx.reference_id)
             assert final is not None
@@ -200,7 +200,7 @@ def test_transaction_lifecycle(servers: EmbeddedServices) -> None:
             failed = make_tx(client_reference=None, enroll_face=False)
             await store.create_and_enqueue(failed)
             await store.fail(failed.reference_id, "no face")
-            await store.complete(failed.reference_id, first)
+            assert await store.complete(failed.reference_id, first) is False
             got = await store.get(failed.reference_id)
             assert got is not None and (got.state, got.error, got.result) == (
                 TransactionState.FAILED,
@@ -213,7 +213,7 @@ def test_transaction_lifecycle(servers: EmbeddedServices) -> None:
             await store.ack([entries[0].entry_id])
             assert await store.depth() == 1  # the failed one was never claimed nor acknowledged
             assert await store.mark_processing("unknown") is None
-            await store.complete("unknown", NO_FACE)  # ignored, no error
+            assert await store.complete("unknown", NO_FACE) is False  # ignored, no error
         finally:
             await redis.aclose()
 

@@ -4,7 +4,8 @@ They honour the Protocol semantics the pipelines rely on:
 - transactions: a final state is never overwritten; mark_processing refuses unknown and final ones;
 - work queue: consumer-group semantics: claim hands out undelivered entries, an entry stays pending until
   acknowledged, reclaim_stale hands pending entries idle for min_idle_ms to another consumer and bumps their
-  delivery count; asking for zero entries is refused as Redis refuses COUNT 0;
+  delivery count; asking for zero entries is refused as Redis refuses COUNT 0; prune_consumers forgets
+  consumers other than the caller that hold no pending entry and have been idle for the given time;
 - gallery: search is filtered by tenant and min_similarity (inner product of unit vectors) and sorted by
   similarity, best first;
 - records: reference_lock is a real mutual-exclusion lock per (tenant, client_reference); the latest face of
@@ -123,6 +124,7 @@ class FakeWorkQueue:
         self.deliveries: list[QueueEntry] = []  # every hand-out, in order
         self.requeued: list[str] = []  # reference ids put back after a backend outage
         self.renewals: list[str] = []  # entry ids whose lease was renewed
+        self.consumers: dict[str, float] = {}  # consumer -> when it last used the queue
 
     def add(self, reference_id: str) -> str:
         entry_id = f"{next(self._ids)}-0"
@@ -132,6 +134,7 @@ class FakeWorkQueue:
     async def claim(self, consumer: str, count: int, block_ms: int) -> list[QueueEntry]:
         await self._faults.check("queue.claim")
         _positive_count(count)
+        self.consumers[consumer] = self._clock()
         deadline = asyncio.get_running_loop().time() + block_ms / 1000
         # Polls like XREADGROUP BLOCK waits: entries arrive from sync add() calls, with no event to await.
         while not self._undelivered and asyncio.get_running_loop().time() < deadline:  # noqa: ASYNC110
@@ -148,6 +151,7 @@ class FakeWorkQueue:
         await self._faults.check("queue.reclaim_stale")
         _positive_count(count)
         now = self._clock()
+        self.consumers[consumer] = now
         entries: list[QueueEntry] = []
         for entry_id, pending in sorted(self._pending.items(), key=lambda item: _id_order(item[0])):
             if len(entries) >= count:
@@ -162,6 +166,7 @@ class FakeWorkQueue:
 
     async def renew(self, consumer: str, entry_ids: Sequence[str]) -> list[str]:
         await self._faults.check("queue.renew")
+        self.consumers[consumer] = self._clock()
         held = []
         for entry_id in entry_ids:
             pending = self._pending.get(entry_id)
@@ -170,6 +175,19 @@ class FakeWorkQueue:
                 held.append(entry_id)
         self.renewals.extend(held)
         return held
+
+    async def prune_consumers(self, consumer: str, gone_after_ms: int) -> list[str]:
+        await self._faults.check("queue.prune_consumers")
+        self.consumers[consumer] = self._clock()  # the caller is alive
+        holding = {pending.consumer for pending in self._pending.values()}
+        gone = [
+            name
+            for name, seen in self.consumers.items()
+            if name != consumer and name not in holding and (self._clock() - seen) * 1000 >= gone_after_ms
+        ]
+        for name in gone:
+            del self.consumers[name]
+        return gone
 
     async def requeue(self, entry: QueueEntry) -> None:
         await self._faults.check("queue.requeue")
@@ -263,12 +281,12 @@ class FakeTransactionStore:
         tx.updated_at = self._clock()
         return copy.deepcopy(tx)
 
-    async def complete(self, reference_id: str, result: Outcome) -> None:
+    async def complete(self, reference_id: str, result: Outcome) -> bool:
         await self._faults.check("transactions.complete")
         tx = self._items.get(reference_id)
         # Through the stores' one JSON form, as Redis would keep it.
         stored = decode_outcome(tx.kind, encode_outcome(result)) if tx is not None else result
-        self._finalise(reference_id, TransactionState.COMPLETED, result=stored)
+        return self._finalise(reference_id, TransactionState.COMPLETED, result=stored)
 
     async def fail(self, reference_id: str, error: str) -> None:
         await self._faults.check("transactions.fail")
@@ -276,14 +294,15 @@ class FakeTransactionStore:
 
     def _finalise(
         self, reference_id: str, state: TransactionState, result: Any = None, error: str | None = None
-    ) -> None:
+    ) -> bool:
         tx = self._items.get(reference_id)
         if tx is None or tx.state.is_final:
-            return  # a final state is never overwritten
+            return False  # a final state is never overwritten
         tx.state = state
         tx.result = result
         tx.error = error
         tx.updated_at = self._clock()
+        return True
 
     async def wait_final(
         self, reference_id: str, timeout_s: float, *, seen_pending: bool = False

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
 
 from serve_app.domain.errors import BackendUnavailable
+from serve_app.domain.faces import GalleryEntry
 from serve_app.domain.outcomes import AgeEstimationOutcome, FaceSearchOutcome, QualityReport
 from serve_app.domain.transactions import Transaction, TransactionState
 from serve_app.pipelines.commands import AgeEstimationCommand, FaceSearchCommand
@@ -17,6 +18,7 @@ from serve_app.pipelines.processing import enrolled_face_id
 from tests.unit.fakes import (
     TEST_POLICY,
     Color,
+    FakeGalleryStore,
     NonExclusiveRecordStore,
     World,
     at_cosine,
@@ -25,6 +27,7 @@ from tests.unit.fakes import (
     face_quality,
     quality,
     solid_png,
+    wait_until,
 )
 
 TENANT = "tenant-a"
@@ -718,5 +721,217 @@ def test_face_search_never_asks_for_an_age_and_age_estimation_embeds_only_to_enr
             (RED, False, True),
             (RED, True, True),
         ]
+
+    asyncio.run(scenario())
+
+
+# -- a failed transaction leaves nothing enrolled -------------------------------------------------------
+
+GIVE_UP = "The transaction could not be processed."
+
+
+def own_face_gone(world: World, tx: Transaction) -> bool:
+    own = enrolled_face_id(tx.reference_id)
+    return (
+        own not in world.gallery.face_ids()
+        and own not in {record.face_id for record in world.record_store.records()}
+        and tx.image_key not in world.blobs.items
+    )
+
+
+async def crash_after_enrolment(world: World, tx: Transaction) -> None:
+    """An attempt that enrols and dies before completing (the worker was killed in between)."""
+    world.faults.arm("transactions.complete")
+    with pytest.raises(BackendUnavailable):
+        await world.processor().process(tx.reference_id)
+    assert enrolled_face_id(tx.reference_id) in world.gallery.face_ids(TENANT)
+
+
+def test_a_transaction_given_up_after_its_face_was_enrolled_leaves_nothing_and_a_retry_enrols_once() -> None:
+    async def scenario() -> None:
+        world = World()
+        world.analysis.faces_by_color[RED] = [face(embedding(1))]
+        tx = await submit_search(world, RED)
+        await crash_after_enrolment(world, tx)
+
+        await world.processor().give_up(tx.reference_id, GIVE_UP)
+
+        final = world.transactions.peek(tx.reference_id)
+        assert final.state is TransactionState.FAILED and final.error == GIVE_UP
+        assert own_face_gone(world, tx)
+        assert world.gallery.face_ids() == set() and world.record_store.records() == []
+        # The client reads `failed` and submits again: the person is enrolled once, and matches nobody.
+        retry = await submit_search(world, RED)
+        await world.processor().process(retry.reference_id)
+        assert matched(world, retry) == []
+        assert world.gallery.face_ids() == {enrolled_face_id(retry.reference_id)}
+
+    asyncio.run(scenario())
+
+
+def test_a_give_up_interrupted_half_way_is_finished_by_the_next_delivery() -> None:
+    async def scenario() -> None:
+        world = World()
+        world.analysis.faces_by_color[RED] = [face(embedding(1))]
+        tx = await submit_search(world, RED, client_reference="customer-1")
+        await crash_after_enrolment(world, tx)
+        world.faults.arm("records.delete")  # failed, vector removed, then the worker dies
+        with pytest.raises(BackendUnavailable):
+            await world.processor().give_up(tx.reference_id, GIVE_UP)
+        assert world.transactions.peek(tx.reference_id).state is TransactionState.FAILED
+        assert world.gallery.face_ids() == set()  # never searchable once failed
+
+        await world.processor().give_up(tx.reference_id, GIVE_UP)
+        assert own_face_gone(world, tx)
+        assert world.record_store.for_reference(TENANT, "customer-1") == []
+
+    asyncio.run(scenario())
+
+
+def test_a_given_up_override_that_had_not_yet_removed_the_earlier_face_leaves_it_in_place() -> None:
+    async def scenario() -> None:
+        world = World()
+        old = await world.enrol(TENANT, "old", embedding(5), "customer-1")
+        world.analysis.faces_by_color[RED] = [face(embedding(1))]
+        tx = await submit_search(world, RED, client_reference="customer-1", allow_override=True)
+        world.faults.arm("gallery.delete")  # new face enrolled; the worker dies before removing the old
+        with pytest.raises(BackendUnavailable):
+            await world.processor().process(tx.reference_id)
+
+        await world.processor().give_up(tx.reference_id, GIVE_UP)
+
+        final = world.transactions.peek(tx.reference_id)
+        assert final.state is TransactionState.FAILED and final.error == GIVE_UP
+        assert own_face_gone(world, tx)
+        # As if the override never ran: the reference keeps its earlier face, proof image included.
+        assert world.record_store.for_reference(TENANT, "customer-1") == [old]
+        assert world.gallery.face_ids() == {"old"}
+        assert old.proof_key in world.blobs.items
+
+    asyncio.run(scenario())
+
+
+def test_a_given_up_override_that_had_removed_the_earlier_face_says_so_and_a_retry_enrols_it() -> None:
+    async def scenario() -> None:
+        world = World()
+        await world.enrol(TENANT, "old", embedding(5), "customer-1")
+        world.analysis.faces_by_color[RED] = [face(embedding(1))]
+        tx = await submit_search(world, RED, client_reference="customer-1", allow_override=True)
+        await crash_after_enrolment(world, tx)  # the override replaced "old", then its worker died
+        assert world.gallery.face_ids() == {enrolled_face_id(tx.reference_id)}
+
+        await world.processor().give_up(tx.reference_id, GIVE_UP)
+
+        final = world.transactions.peek(tx.reference_id)
+        assert final.state is TransactionState.FAILED
+        assert final.error is not None and final.error.startswith(GIVE_UP)
+        assert "no longer stored" in final.error and "submit the image again" in final.error
+        assert own_face_gone(world, tx)
+        assert world.record_store.for_reference(TENANT, "customer-1") == []
+        assert world.gallery.face_ids() == set()
+
+        retry = await submit_search(world, RED, client_reference="customer-1", allow_override=True)
+        await world.processor().process(retry.reference_id)
+        faces = [record.face_id for record in world.record_store.for_reference(TENANT, "customer-1")]
+        assert faces == [enrolled_face_id(retry.reference_id)]
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("client_reference", [None, "customer-1"])
+def test_an_attempt_that_outlives_its_give_up_takes_back_its_face(client_reference: str | None) -> None:
+    """A worker stalls past its lease mid-analysis; another worker gives the transaction up meanwhile;
+    the stalled attempt then enrols, and its complete() changes nothing. The face must not stay."""
+
+    async def scenario() -> None:
+        world = World()
+        world.analysis.faces_by_color[RED] = [face(embedding(1))]
+        tx = await submit_search(world, RED, client_reference=client_reference)
+        world.analysis.gate = asyncio.Event()
+        stalled = asyncio.create_task(world.processor().process(tx.reference_id))
+        await wait_until(lambda: world.analysis.started == 1, what="the attempt analysing")
+        await world.processor().give_up(tx.reference_id, GIVE_UP)
+        world.analysis.gate.set()
+        await stalled
+
+        assert world.transactions.peek(tx.reference_id).state is TransactionState.FAILED
+        assert own_face_gone(world, tx)
+        assert world.gallery.face_ids() == set() and world.record_store.records() == []
+
+    asyncio.run(scenario())
+
+
+class PausingGallery(FakeGalleryStore):
+    """Holds every add() until `release` is set: the point between an enrolment's record and its vector."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def add(self, entries: Sequence[GalleryEntry]) -> None:
+        self.waiting.set()
+        await self.release.wait()
+        await super().add(entries)
+
+
+def test_a_give_up_between_an_attempts_record_and_vector_leaves_neither() -> None:
+    async def scenario() -> None:
+        world = World()
+        gallery = PausingGallery()
+        world.gallery = gallery
+        world.analysis.faces_by_color[RED] = [face(embedding(1))]
+        tx = await submit_search(world, RED)
+        stalled = asyncio.create_task(world.processor().process(tx.reference_id))
+        await gallery.waiting.wait()  # its record is written, its vector not yet
+        await world.processor().give_up(tx.reference_id, GIVE_UP)
+        gallery.release.set()
+        await stalled
+
+        assert world.transactions.peek(tx.reference_id).state is TransactionState.FAILED
+        assert own_face_gone(world, tx)
+        assert world.gallery.face_ids() == set() and world.record_store.records() == []
+
+    asyncio.run(scenario())
+
+
+def test_a_late_override_attempt_after_its_give_up_replaces_nothing() -> None:
+    async def scenario() -> None:
+        world = World()
+        old = await world.enrol(TENANT, "old", embedding(5), "customer-1")
+        world.analysis.faces_by_color[RED] = [face(embedding(1))]
+        tx = await submit_search(world, RED, client_reference="customer-1", allow_override=True)
+        world.analysis.gate = asyncio.Event()
+        stalled = asyncio.create_task(world.processor().process(tx.reference_id))
+        await wait_until(lambda: world.analysis.started == 1, what="the attempt analysing")
+        await world.processor().give_up(tx.reference_id, GIVE_UP)
+        world.analysis.gate.set()
+        await stalled
+
+        assert world.transactions.peek(tx.reference_id).error == GIVE_UP
+        assert own_face_gone(world, tx)
+        assert world.record_store.for_reference(TENANT, "customer-1") == [old]
+        assert world.gallery.face_ids() == {"old"} and old.proof_key in world.blobs.items
+
+    asyncio.run(scenario())
+
+
+def test_an_image_unusable_on_a_retry_after_a_partial_enrolment_fails_and_leaves_nothing() -> None:
+    """The stored bytes do not change, but the decode limits can between two attempts (a redeploy that
+    lowers max_image_pixels): the retry finds the upload unusable although an earlier attempt enrolled it."""
+
+    async def scenario() -> None:
+        world = World()
+        world.analysis.faces_by_color[RED] = [face(embedding(1))]
+        tx = await submit_search(world, RED)
+        await crash_after_enrolment(world, tx)
+        world.policy = dataclasses.replace(TEST_POLICY, max_image_pixels=100)  # 16x16 uploads: 256 pixels
+
+        await world.processor().process(tx.reference_id)
+
+        final = world.transactions.peek(tx.reference_id)
+        assert final.state is TransactionState.FAILED and final.error
+        assert own_face_gone(world, tx)
+        assert world.gallery.face_ids() == set() and world.record_store.records() == []
 
     asyncio.run(scenario())

@@ -13,6 +13,7 @@ import pytest
 from serve_app.domain.errors import BackendRejected
 from serve_app.domain.transactions import Transaction, TransactionState
 from serve_app.pipelines.commands import FaceSearchCommand
+from serve_app.pipelines.processing import enrolled_face_id
 from serve_app.pipelines.worker import QueueWorker, WorkerPolicy
 from tests.unit.fakes import Color, ManualClock, World, embedding, face, solid_png, wait_until
 
@@ -198,6 +199,8 @@ def test_a_poison_entry_never_overwrites_a_transaction_that_already_completed() 
         assert final.state is TransactionState.COMPLETED
         assert final.error is None
         assert len(world.analysis.calls) == 1  # redeliveries of a final transaction do no work
+        # The give-up found it completed: its face stays enrolled.
+        assert world.gallery.face_ids(TENANT) == {enrolled_face_id(tx.reference_id)}
 
     asyncio.run(scenario())
 
@@ -314,5 +317,67 @@ def test_a_backend_rejecting_a_transaction_counts_as_failed_attempts_and_ends_fa
         assert final.state is TransactionState.FAILED
         assert world.queue.requeued == []
         assert len(world.analysis.calls) == FAST.max_deliveries
+
+    asyncio.run(scenario())
+
+
+def test_a_poison_entry_whose_first_attempt_enrolled_ends_failed_with_nothing_enrolled() -> None:
+    """The first attempt enrols and dies before completing; the next ones fail; the give-up is itself
+    interrupted once. The transaction ends failed, the entry acknowledged, and no face of it stays."""
+
+    async def scenario() -> None:
+        world = new_world()
+        assert isinstance(world.queue_clock, ManualClock)
+        world.faults.arm("transactions.complete", error=RuntimeError("worker killed"))
+        world.faults.arm("records.delete")  # the first give-up dies half-way
+        tx = await submit(world)
+        entry_id = world.transactions.entry_of[tx.reference_id]
+        worker = make_worker(world)
+        async with running(worker):
+            for attempt in range(1, FAST.max_deliveries + 1):
+                await wait_until(attempt_done(world, worker, attempt), what=f"attempt {attempt}")
+                if attempt == 1:
+                    assert world.gallery.face_ids(TENANT) == {enrolled_face_id(tx.reference_id)}
+                    world.analysis.failures.extend(RuntimeError("boom") for _ in range(FAST.max_deliveries))
+                world.queue_clock.advance(FAST.stale_after_s)
+            await wait_until(
+                lambda: world.faults.calls.get("records.delete", 0) == 1 and worker.in_flight == 0,
+                what="the first give-up",
+            )
+            assert world.queue.acked == []  # interrupted: not acknowledged, so delivered again
+            world.queue_clock.advance(FAST.stale_after_s)
+            await wait_until(lambda: world.queue.acked == [entry_id], what="the entry acknowledged")
+        final = world.transactions.peek(tx.reference_id)
+        assert final.state is TransactionState.FAILED
+        assert world.gallery.face_ids() == set()
+        assert world.record_store.records() == []
+        assert tx.image_key not in world.blobs.items
+
+    asyncio.run(scenario())
+
+
+def test_a_dead_consumer_is_forgotten_once_its_entry_was_reclaimed_and_it_stayed_idle() -> None:
+    async def scenario() -> None:
+        world = new_world()
+        clock = world.queue_clock
+        assert isinstance(clock, ManualClock)
+        tx = await submit(world)
+        assert len(await world.queue.claim("replica-before-restart", 1, 0)) == 1  # ... and it dies
+        # The stale and gone windows pass on the queue's manual clock; the worker prunes every 20 ms.
+        policy = dataclasses.replace(FAST, stale_after_s=0.05, gone_after_stale_windows=2)
+        worker = make_worker(world, policy, consumer="replica-after-restart")
+        async with running(worker):
+            await wait_until(
+                lambda: "replica-after-restart" in world.queue.consumers, what="the worker in the group"
+            )
+            clock.advance(policy.stale_after_s)
+            await wait_until(lambda: state(world, tx) is TransactionState.COMPLETED, what="reclaimed, done")
+            await asyncio.sleep(0.05)  # several prune rounds: idle for one stale window is not gone
+            assert "replica-before-restart" in world.queue.consumers
+            clock.advance(policy.consumer_gone_after_s)
+            await wait_until(
+                lambda: set(world.queue.consumers) == {"replica-after-restart"}, what="the dead one removed"
+            )
+        assert worker.processed == 1
 
     asyncio.run(scenario())
