@@ -229,6 +229,16 @@ class RetentionSettings(_Group):
         description="finished transactions expire this long after they became final (`/result` then "
         "answers 422 as for an unknown id); 0 keeps them",
     )
+    result_hot_window_s: int = Field(
+        24 * 3600,
+        ge=0,
+        description="finished transactions stay in Redis this long, then move to the result archive "
+        "(`FACESEARCH_RESULTS_DIR`), where `/result` finds them until the retention ends; 0 keeps them in "
+        "Redis for the whole retention",
+    )
+    result_archive_every_s: float = Field(
+        60.0, gt=0, description="how often one worker (holding a lease) moves results past the hot window"
+    )
     done_signal_ttl_s: int = Field(
         60, ge=1, description="how long a transaction's completion signal outlives it, for slow waiters"
     )
@@ -239,6 +249,19 @@ class RetentionSettings(_Group):
         "reconciliation once this old",
     )
 
+    @property
+    def archive_after_s(self) -> int:
+        """The hot window when results are archived at all (0: they stay in Redis until they expire)."""
+        hot = self.result_hot_window_s
+        keeps_longer = self.transaction_retention_s == 0 or hot < self.transaction_retention_s
+        return hot if hot and keeps_longer else 0
+
+    @property
+    def erasure_memory_s(self) -> int | None:
+        """How long an erasure's tombstone is kept: as long as a result could still name the reference
+        (the retention, plus a day for transactions still queued at the erasure); None: for ever."""
+        return self.transaction_retention_s + 24 * 3600 if self.transaction_retention_s else None
+
 
 class Settings(_Group):
     model_config = SettingsConfigDict(env_prefix="FACESEARCH_")
@@ -246,6 +269,11 @@ class Settings(_Group):
     data_dir: Path = Field(Path("var"), description="embedded Redis/Milvus data, blobs, development secret")
     blob_dir: Path | None = Field(
         None, description="proof images (a shared volume on a cluster); unset: `$FACESEARCH_DATA_DIR/blobs`"
+    )
+    results_dir: Path | None = Field(
+        None,
+        description="results archived after their hot window (a shared volume on a cluster); unset: "
+        "`$FACESEARCH_DATA_DIR/results`",
     )
     env: str = Field("development", description="`production` requires `FACESEARCH_SECRET_KEY`")
     redis: RedisSettings = Field(default_factory=RedisSettings)
@@ -273,6 +301,10 @@ class Settings(_Group):
     @property
     def blobs(self) -> Path:
         return self.blob_dir or self.data_dir / "blobs"
+
+    @property
+    def results(self) -> Path:
+        return self.results_dir or self.data_dir / "results"
 
     @classmethod
     def from_env(cls) -> Settings:
