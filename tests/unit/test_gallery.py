@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -152,7 +153,7 @@ def test_a_transaction_accepted_before_an_erasure_never_enrols_the_reference_aft
                 world, RED, client_reference="customer-e", allow_override=allow_override
             )
             # The erasure runs while the transaction waits in the queue (at the same instant counts too).
-            await service(world, clock=lambda at=late.created_at: at).erase_reference(
+            await service(world, clock=functools.partial(float, late.created_at)).erase_reference(
                 TENANT, "cl_actor", "customer-e"
             )
             await world.processor().process(late.reference_id)
