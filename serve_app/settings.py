@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Annotated, ClassVar
 
-from pydantic import Field, StrictFloat, StrictInt, field_validator
+from pydantic import Field, StrictFloat, StrictInt, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
@@ -305,6 +305,15 @@ class Settings(_Group):
     @property
     def results(self) -> Path:
         return self.results_dir or self.data_dir / "results"
+
+    @model_validator(mode="after")
+    def _results_apart_from_blobs(self) -> Settings:
+        """Reconciliation sweeps the blob directory of every file no upload or face names: an archived
+        result inside it would be swept, and the blob store inside the archive would be expired."""
+        blobs, results = self.blobs.resolve(), self.results.resolve()
+        if blobs == results or blobs in results.parents or results in blobs.parents:
+            raise ValueError("FACESEARCH_RESULTS_DIR and FACESEARCH_BLOB_DIR must not contain each other")
+        return self
 
     @classmethod
     def from_env(cls) -> Settings:
