@@ -99,13 +99,14 @@ def test_a_result_past_the_hot_window_is_served_byte_identical_from_the_archive(
         assert time.monotonic() < deadline, "results still in Redis long after the hot window"
         time.sleep(0.5)
     archived = LocalBlobStore(service.settings.results)
-    for reference_id in references:
-        stored = asyncio.run(archived.get(archive_key(reference_id)))
-        assert stored is not None
-        # What Redis held, not a rendering: no proof URL, and no match's client_reference.
-        fields = json.loads(stored[0])
-        assert {"tenant_id", "kind", "state", "created_at", "updated_at"} <= set(fields)
-        assert b"get-proof" not in stored[0] and f"archive-{first}".encode() not in stored[0]
+    stored = [asyncio.run(archived.get(archive_key(reference_id))) for reference_id in references]
+    for document in stored:
+        assert document is not None
+        # What Redis held, not a rendering: no proof URL.
+        assert {"tenant_id", "kind", "state", "created_at", "updated_at"} <= set(json.loads(document[0]))
+        assert b"get-proof" not in document[0]
+    # The search's matches are kept as face ids and scores: their references are joined when read.
+    assert stored[1] is not None and f"archive-{first}".encode() not in stored[1][0]
 
     after = [read(http, token, reference_id) for reference_id in references]
     for old, new in zip(before, after, strict=True):
