@@ -24,6 +24,7 @@ from serve_app.stores.redis_ratelimit import RedisRateLimiter
 from serve_app.stores.redis_records import RedisFaceRecordStore
 from serve_app.stores.redis_support import connect_redis
 from serve_app.stores.redis_transactions import RedisTransactionStore
+from serve_app.stores.result_archive import BlobResultArchive
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,9 @@ def redis_stores(settings: Settings) -> RedisStores:
             done_signal_ttl_s=retention.done_signal_ttl_s,
             replicas=wait_replicas(settings),
             replica_timeout_ms=settings.redis.wait_timeout_ms,
+            archive_after_s=retention.archive_after_s,
         ),
-        records=RedisFaceRecordStore(redis, prefix=prefix),
+        records=RedisFaceRecordStore(redis, prefix=prefix, erasure_ttl_s=retention.erasure_memory_s),
         clients=RedisClientStore(redis, pepper=settings.auth.secret_key, prefix=prefix),
         limiter=RedisRateLimiter(redis, prefix=prefix),
         admission=RedisRequestAdmission(redis, prefix=prefix),
@@ -82,11 +84,22 @@ def gallery_store(settings: Settings) -> MilvusGalleryStore:
     )
 
 
+def result_archive(settings: Settings) -> BlobResultArchive:
+    """Always there to read: results archived earlier stay readable if the hot window is later turned off."""
+    return BlobResultArchive(LocalBlobStore(settings.results), settings.retention.transaction_retention_s)
+
+
 def build_api_services(settings: Settings) -> ApiServices:
     stores = redis_stores(settings)
     blobs = LocalBlobStore(settings.blobs)
     return ApiServices(
-        transactions=TransactionService(stores.transactions, blobs, settings.limits.max_image_pixels),
+        transactions=TransactionService(
+            stores.transactions,
+            blobs,
+            settings.limits.max_image_pixels,
+            records=stores.records,
+            archive=result_archive(settings),
+        ),
         proofs=ProofService(stores.records, blobs),
         auth=ClientAuthenticator(
             stores.clients,

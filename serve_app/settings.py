@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Annotated, ClassVar
 
-from pydantic import Field, StrictFloat, StrictInt, field_validator
+from pydantic import Field, StrictFloat, StrictInt, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
@@ -230,6 +230,16 @@ class RetentionSettings(_Group):
         description="finished transactions expire this long after they became final (`/result` then "
         "answers 422 as for an unknown id); 0 keeps them",
     )
+    result_hot_window_s: int = Field(
+        24 * 3600,
+        ge=0,
+        description="finished transactions stay in Redis this long, then move to the result archive "
+        "(`FACESEARCH_RESULTS_DIR`), where `/result` finds them until the retention ends; 0 keeps them in "
+        "Redis for the whole retention",
+    )
+    result_archive_every_s: float = Field(
+        60.0, gt=0, description="how often one worker (holding a lease) moves results past the hot window"
+    )
     done_signal_ttl_s: int = Field(
         60, ge=1, description="how long a transaction's completion signal outlives it, for slow waiters"
     )
@@ -240,6 +250,19 @@ class RetentionSettings(_Group):
         "reconciliation once this old",
     )
 
+    @property
+    def archive_after_s(self) -> int:
+        """The hot window when results are archived at all (0: they stay in Redis until they expire)."""
+        hot = self.result_hot_window_s
+        keeps_longer = self.transaction_retention_s == 0 or hot < self.transaction_retention_s
+        return hot if hot and keeps_longer else 0
+
+    @property
+    def erasure_memory_s(self) -> int | None:
+        """How long an erasure's tombstone is kept: as long as a result could still name the reference
+        (the retention, plus a day for transactions still queued at the erasure); None: for ever."""
+        return self.transaction_retention_s + 24 * 3600 if self.transaction_retention_s else None
+
 
 class Settings(_Group):
     model_config = SettingsConfigDict(env_prefix="FACESEARCH_")
@@ -247,6 +270,11 @@ class Settings(_Group):
     data_dir: Path = Field(Path("var"), description="embedded Redis/Milvus data, blobs, development secret")
     blob_dir: Path | None = Field(
         None, description="proof images (a shared volume on a cluster); unset: `$FACESEARCH_DATA_DIR/blobs`"
+    )
+    results_dir: Path | None = Field(
+        None,
+        description="results archived after their hot window (a shared volume on a cluster); unset: "
+        "`$FACESEARCH_DATA_DIR/results`",
     )
     env: str = Field("development", description="`production` requires `FACESEARCH_SECRET_KEY`")
     redis: RedisSettings = Field(default_factory=RedisSettings)
@@ -274,6 +302,19 @@ class Settings(_Group):
     @property
     def blobs(self) -> Path:
         return self.blob_dir or self.data_dir / "blobs"
+
+    @property
+    def results(self) -> Path:
+        return self.results_dir or self.data_dir / "results"
+
+    @model_validator(mode="after")
+    def _results_apart_from_blobs(self) -> Settings:
+        """Reconciliation sweeps the blob directory of every file no upload or face names: an archived
+        result inside it would be swept, and the blob store inside the archive would be expired."""
+        blobs, results = self.blobs.resolve(), self.results.resolve()
+        if blobs == results or blobs in results.parents or results in blobs.parents:
+            raise ValueError("FACESEARCH_RESULTS_DIR and FACESEARCH_BLOB_DIR must not contain each other")
+        return self
 
     @classmethod
     def from_env(cls) -> Settings:

@@ -12,6 +12,7 @@ from serve_app.api_wiring import RedisStores as RedisStores
 from serve_app.api_wiring import build_api_services as build_api_services
 from serve_app.api_wiring import gallery_store as gallery_store
 from serve_app.api_wiring import redis_stores as redis_stores
+from serve_app.api_wiring import result_archive as result_archive
 from serve_app.deploy_config import WorkerConfig
 from serve_app.pipelines.analysis import DeadlineAnalysis, FaceAnalysisBackend
 from serve_app.pipelines.processing import ProcessingPolicy, TransactionProcessor

@@ -92,7 +92,8 @@ _MATCHES = (
     "[proof_id, score 0..1, proof URL (15 min), client_reference], best first; [] when none. "
     "score = -log10(FMR)/10: the per-comparison false-match rate calibrated on labelled photos (0.3: 1e-3, "
     "0.5: 1e-5, 0.8: 1e-8). By default only matches that keep the false-positive identification rate <= 1% "
-    "for the tenant's gallery size are listed"
+    "for the tenant's gallery size are listed. client_reference is read from the face record when the "
+    "result is read: a face erased, deleted or replaced since the search is left out"
 )
 
 
@@ -117,7 +118,10 @@ class FaceSearchResponse(BaseModel):
 
 class FaceSearchData(BaseModel):
     service_reference_id: str
-    client_reference: str
+    client_reference: str = Field(
+        description='the one sent with the transaction; "" when none was sent, or when that reference has '
+        "been erased since the transaction was accepted"
+    )
     face_search_response: FaceSearchResponse
 
 

@@ -21,9 +21,11 @@ from serve_app.deployments.models import RunnerBatcher
 from serve_app.domain.errors import BackendUnavailable
 from serve_app.pipelines.analysis import FaceAnalysisBackend
 from serve_app.pipelines.reconcile import reconcile
+from serve_app.pipelines.result_archive import ResultArchiver
 from serve_app.settings import Settings
 from serve_app.stores.blobs import LocalBlobStore
-from serve_app.wiring import build_worker, gallery_store, worker_policy
+from serve_app.stores.redis_lease import RedisLease
+from serve_app.wiring import build_worker, gallery_store, result_archive, worker_policy
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +88,12 @@ class TransactionWorker:
     def _start(self) -> None:
         self._tasks = [
             asyncio.get_running_loop().create_task(coroutine)
-            for coroutine in (self._worker.run(self._stop), self._report(), self._reconcile_periodically())
+            for coroutine in (
+                self._worker.run(self._stop),
+                self._report(),
+                self._reconcile_periodically(),
+                self._archive_periodically(),
+            )
         ]
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
@@ -124,6 +131,26 @@ class TransactionWorker:
                 logger.info("reconciliation: %s", report)
             except Exception as error:  # a backend outage: try again next round
                 logger.warning("reconciliation failed: %r", error)
+
+    async def _archive_periodically(self) -> None:
+        retention = self._settings.retention
+        if not retention.archive_after_s:
+            return  # results stay in Redis until they expire
+        archiver = ResultArchiver(
+            self._stores.transactions,
+            result_archive(self._settings),
+            RedisLease(self._stores.transactions.redis, "result-archive", self._settings.redis.key_prefix),
+            hot_window_s=retention.archive_after_s,
+            every_s=retention.result_archive_every_s,
+        )
+        while not self._stop.is_set():
+            await asyncio.sleep(retention.result_archive_every_s)
+            try:
+                report = await archiver.run_once(self._consumer)
+                if report is not None and (report.archived or report.expired or report.swept):
+                    logger.info("result archive: %s", report)
+            except Exception as error:  # a backend outage: nothing was dropped before its copy was written
+                logger.warning("result archiving failed: %r", error)
 
     async def check_health(self) -> None:
         # A replica whose consumer loop died is unhealthy: Serve replaces it, and its claimed entries are

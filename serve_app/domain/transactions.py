@@ -9,6 +9,11 @@ from serve_app.domain.identifiers import new_reference_id as new_reference_id  #
 from serve_app.domain.outcomes import Outcome
 
 
+def upload_key(tenant_id: str, reference_id: str) -> str:
+    """The blob key of a transaction's upload (a stored transaction leaves it out when it is this one)."""
+    return f"uploads/{tenant_id}/{reference_id}"
+
+
 class TransactionKind(StrEnum):
     FACE_SEARCH = "face_search"
     AGE_ESTIMATION = "age_estimation"

@@ -5,7 +5,9 @@ Removal order is the one TransactionProcessor.remove uses: vector first (the fac
 then the record (a vector without its record never matches anyway), then the proof image. Removals of a
 client_reference's faces hold that reference's lock, which every enrolment under a reference takes too, so
 an erasure racing an enrolment of the same reference either removes the new face or runs before it was
-written, and never leaves a vector or proof without its record.
+written, and never leaves a vector or proof without its record. An erasure leaves a tombstone (the time it
+ran, under a hash of the reference): a transaction accepted before it never enrols the reference
+afterwards, and results read after it no longer name the reference (TransactionService.readable).
 """
 
 from __future__ import annotations
@@ -159,9 +161,13 @@ class GalleryService:
         """Remove every face of the reference. Idempotent: an unknown reference erases 0 faces (and is
         still audited: the request was honoured)."""
         async with self._records.reference_lock(tenant_id, client_reference, self._lock_timeout_s):
+            # The tombstone first, under the lock every enrolment of the reference takes: a transaction
+            # accepted before this moment but processed later finds it and does not enrol the reference
+            # again (TransactionProcessor._enroll), and results read later stop naming it.
+            erased_at = self._clock()
+            await self._records.mark_erased(tenant_id, client_reference, erased_at)
             records = await self._records.records_for_reference(tenant_id, client_reference)
             await self._remove(records)
-        erased_at = self._clock()
         await self._audit.append(
             tenant_id,
             AuditEntry(

@@ -323,7 +323,8 @@ class TransactionProcessor:
         )
 
     async def _enroll(self, tx: Transaction, face: AnalyzedFace) -> bool:
-        """Enrol the face; False when an override was superseded by a later submission."""
+        """Enrol the face; False when an override was superseded by a later submission, or the reference
+        was erased after the transaction was accepted."""
         assert face.embedding is not None
         record = FaceRecord(
             face_id=enrolled_face_id(tx.reference_id),
@@ -341,6 +342,11 @@ class TransactionProcessor:
             async with self._records.reference_lock(
                 tx.tenant_id, tx.client_reference, self._policy.override_lock_timeout_s
             ):
+                erased_at = await self._records.erased_at(tx.tenant_id, tx.client_reference)
+                if erased_at is not None and erased_at >= tx.created_at:
+                    # Accepted before the reference was erased: erasure means erased, so the face is
+                    # not enrolled (the result says enrolled: false) and its upload is dropped.
+                    return False
                 if tx.allow_override:
                     return await self._override(record, face)
                 await self._add(record, face)

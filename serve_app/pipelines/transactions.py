@@ -3,24 +3,41 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 from serve_app.domain.errors import ValidationFailed
-from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState, new_reference_id
+from serve_app.domain.outcomes import FaceSearchOutcome
+from serve_app.domain.transactions import (
+    Transaction,
+    TransactionKind,
+    TransactionState,
+    new_reference_id,
+)
+from serve_app.domain.transactions import upload_key as upload_key  # re-exported
 from serve_app.imaging.decode import validate_image
 from serve_app.pipelines.commands import AgeEstimationCommand, FaceSearchCommand
-from serve_app.stores.interfaces import BlobStore, TransactionStore
-
-
-def upload_key(tenant_id: str, reference_id: str) -> str:
-    return f"uploads/{tenant_id}/{reference_id}"
+from serve_app.stores.interfaces import BlobStore, FaceRecordStore, ResultArchive, TransactionStore
 
 
 class TransactionService:
-    def __init__(self, transactions: TransactionStore, blobs: BlobStore, max_image_pixels: int) -> None:
+    def __init__(
+        self,
+        transactions: TransactionStore,
+        blobs: BlobStore,
+        max_image_pixels: int,
+        *,
+        records: FaceRecordStore | None = None,
+        archive: ResultArchive | None = None,
+    ) -> None:
+        """records: where readable() joins the matches' client references (None: results are read as
+        stored, for callers that never render them). archive: where finished transactions are read once
+        they left the hot store (pipelines/result_archive.py)."""
         self._transactions = transactions
         self._blobs = blobs
         self._max_image_pixels = max_image_pixels
+        self._records = records
+        self._archive = archive
 
     async def create_face_search(self, command: FaceSearchCommand) -> Transaction:
         return await self._create(
@@ -71,6 +88,10 @@ class TransactionService:
     async def get_for_tenant(self, tenant_id: str, reference_id: str) -> Transaction:
         """The transaction if it exists and belongs to this tenant; another tenant's id is 'not valid'."""
         tx = await self._transactions.get(reference_id)
+        if tx is None and self._archive is not None:
+            # Redis first, the archive second: the archiver writes the archived copy before it deletes
+            # the Redis one, so a transaction moving between them meanwhile is found in one of the two.
+            tx = await self._archive.get(reference_id)
         if tx is None or tx.tenant_id != tenant_id:
             raise ValidationFailed(
                 "reference_id does not name a transaction of yours.", {"reference_id": "unknown reference_id"}
@@ -83,3 +104,28 @@ class TransactionService:
             return tx
         latest = await self._transactions.wait_final(tx.reference_id, timeout_s, seen_pending=True)
         return latest or tx
+
+    async def readable(self, tx: Transaction) -> Transaction:
+        """The transaction as its owner may read it: the client references of its matches are joined from
+        the face records now (a stored result keeps face ids and scores only), so a match whose face was
+        erased, deleted or replaced since is left out, and its proof image with it. The transaction's
+        own client_reference is left out (read as "") when that reference was erased after the
+        transaction was accepted: an erased reference is never named again, even to the client who
+        submitted it."""
+        if self._records is None or not tx.state.is_final:
+            return tx
+        client_reference = tx.client_reference
+        if client_reference is not None:
+            erased_at = await self._records.erased_at(tx.tenant_id, client_reference)
+            if erased_at is not None and erased_at >= tx.created_at:
+                client_reference = None
+        result = tx.result
+        if isinstance(result, FaceSearchOutcome) and result.matches:
+            found = await self._records.get_many(tx.tenant_id, [match.face_id for match in result.matches])
+            matches = tuple(
+                dataclasses.replace(match, client_reference=found[match.face_id].client_reference or "")
+                for match in result.matches
+                if match.face_id in found
+            )
+            result = dataclasses.replace(result, matches=matches)
+        return dataclasses.replace(tx, client_reference=client_reference, result=result)

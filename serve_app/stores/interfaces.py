@@ -53,6 +53,23 @@ class TransactionStore(Protocol):
         """Blob keys of the uploads of transactions not yet acknowledged on the work queue."""
 
 
+@dataclass(frozen=True)
+class FinishedEntry:
+    entry_id: str  # position in the store's list of finished transactions
+    reference_id: str
+    transaction: Transaction | None  # None: it expired from the store meanwhile
+
+
+class FinishedTransactions(Protocol):
+    """The hot store's side of the result archive (pipelines/result_archive.py)."""
+
+    async def finished_before(self, age_s: float, limit: int) -> list[FinishedEntry]:
+        """Up to `limit` transactions that became final more than age_s ago, oldest first."""
+
+    async def drop_archived(self, entries: Sequence[FinishedEntry]) -> int:
+        """Delete the store's copies of these (final, archived) transactions and their list entries."""
+
+
 class WorkQueue(Protocol):
     async def claim(self, consumer: str, count: int, block_ms: int) -> list[QueueEntry]:
         """New entries for this consumer (consumer group semantics)."""
@@ -117,6 +134,13 @@ class FaceRecordStore(Protocol):
 
     async def counts(self, tenant_id: str) -> GalleryCounts: ...
 
+    async def mark_erased(self, tenant_id: str, client_reference: str, erased_at: float) -> None:
+        """Remember (under a hash of the reference) when it was last erased: a transaction created before
+        then must not enrol it again, and a result read later must not name it."""
+
+    async def erased_at(self, tenant_id: str, client_reference: str) -> float | None:
+        """When the reference was last erased; None if never (or longer ago than the store remembers)."""
+
 
 class GalleryStore(Protocol):
     async def add(self, entries: Sequence[GalleryEntry]) -> None: ...
@@ -145,6 +169,25 @@ class BlobStore(Protocol):
     async def sweep(self, keep: Collection[str], older_than_s: float) -> int:
         """Delete every blob not named in `keep` and last written more than older_than_s ago; returns
         how many were deleted."""
+
+
+class ResultArchive(Protocol):
+    """Durable copies of finished transactions, read where the hot store no longer has them."""
+
+    async def put(self, tx: Transaction) -> None: ...
+
+    async def get(self, reference_id: str) -> Transaction | None:
+        """None when there is no copy or the transaction's retention has passed."""
+
+    async def sweep(self, archived_after_s: float) -> int:
+        """Delete the copies past their retention (each was written archived_after_s or later after its
+        transaction became final); returns how many went."""
+
+
+class Lease(Protocol):
+    async def acquire(self, holder: str, ttl_s: float) -> bool:
+        """Take the lease if nobody holds it, or renew it if `holder` does; it lapses ttl_s after the last
+        acquire, so a holder that died loses it. True when `holder` holds it now."""
 
 
 class AuditLog(Protocol):

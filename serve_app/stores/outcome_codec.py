@@ -1,10 +1,21 @@
-"""The one JSON form of transaction outcomes in a store. The layout is the one results had while they were
-plain dicts, so records written before the outcomes were typed still read; `_enrolled` is that layout's
-name for `enrolled`."""
+"""The stored form of transaction outcomes. The layout is the one results had while they were plain dicts,
+so records written before the outcomes were typed still read; `_enrolled` is that layout's name for
+`enrolled`.
+
+A match is stored as its face id and score only: the client_reference is joined from the face record when
+the result is read (TransactionService.readable), so an erased reference is never kept in, nor returned
+from, a stored result. A reference stored by an earlier version is ignored for the same reason.
+
+Two forms: one JSON document (encode_outcome), and hash fields (outcome_fields) where every value stays
+short, so Redis keeps a finished transaction's hash in its compact encoding (a listpack/ziplist holds
+values up to hash-max-listpack-value, 64 bytes by default): the document without its matches under
+"result", and each match as "m<i>" = "<face_id> <score>".
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from serve_app.domain.outcomes import (
@@ -16,9 +27,12 @@ from serve_app.domain.outcomes import (
 )
 from serve_app.domain.transactions import TransactionKind
 
+RESULT_FIELD = "result"
+_MATCH_FIELD = "m"
+
 
 def encode_outcome(outcome: Outcome) -> str:
-    return json.dumps(_to_json(outcome))
+    return _dumps(_to_json(outcome))
 
 
 def decode_outcome(kind: TransactionKind, text: str) -> Outcome:
@@ -28,12 +42,43 @@ def decode_outcome(kind: TransactionKind, text: str) -> Outcome:
     return _from_json(kind, data)
 
 
+def outcome_fields(outcome: Outcome) -> dict[str, str]:
+    """The outcome as hash fields (see the module docstring)."""
+    data = _to_json(outcome)
+    matches = data.pop("matched_faces", [])
+    fields = {RESULT_FIELD: _dumps(data)}
+    for index, (face_id, score) in enumerate(matches):
+        fields[f"{_MATCH_FIELD}{index}"] = f"{face_id} {score!r}"
+    return fields
+
+
+def outcome_from_fields(kind: TransactionKind, fields: Mapping[str, str]) -> Outcome | None:
+    """The outcome stored as outcome_fields (or as one document under "result", the earlier form)."""
+    text = fields.get(RESULT_FIELD)
+    if text is None:
+        return None
+    data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError("a stored outcome must be a JSON object")
+    if "matched_faces" not in data and kind is TransactionKind.FACE_SEARCH:
+        matches: list[list[Any]] = []
+        while (match := fields.get(f"{_MATCH_FIELD}{len(matches)}")) is not None:
+            face_id, score = match.rsplit(" ", 1)
+            matches.append([face_id, float(score)])
+        data["matched_faces"] = matches
+    return _from_json(kind, data)
+
+
+def _dumps(data: dict[str, Any]) -> str:
+    return json.dumps(data, separators=(",", ":"))
+
+
 def _to_json(outcome: Outcome) -> dict[str, Any]:
     data: dict[str, Any]
     if isinstance(outcome, FaceSearchOutcome):
         data = {
             "is_face_found": outcome.is_face_found,
-            "matched_faces": [[m.face_id, m.score, m.client_reference] for m in outcome.matches],
+            "matched_faces": [[m.face_id, m.score] for m in outcome.matches],
         }
         if outcome.probe_quality is not None:
             data["probe_quality"] = _quality_to_json(outcome.probe_quality)
@@ -52,9 +97,11 @@ def _from_json(kind: TransactionKind, data: dict[str, Any]) -> Outcome:
         probe = data.get("probe_quality")
         return FaceSearchOutcome(
             is_face_found=bool(data["is_face_found"]),
+            # [face_id, score], or the earlier [face_id, score, client_reference] whose reference is
+            # ignored: it is joined from the face record when the result is read.
             matches=tuple(
-                FaceMatch(face_id=str(face_id), score=float(score), client_reference=str(reference))
-                for face_id, score, reference in data.get("matched_faces", ())
+                FaceMatch(face_id=str(match[0]), score=float(match[1]), client_reference="")
+                for match in data.get("matched_faces", ())
             ),
             probe_quality=_quality_from_json(probe) if probe is not None else None,
             unindexed_faces=unindexed,

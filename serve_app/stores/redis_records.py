@@ -9,6 +9,8 @@ Keys (prefix default "fs:"):
   {p}faces-by-id:{tenant}      sorted set, all scores 0: face ids in lexical order (gallery listing pages)
   {p}faces-by-time:{tenant}    sorted set face_id -> created_at (oldest / newest enrolment)
   {p}refs:{tenant}             set of sha256(client_reference) that have faces (distinct references)
+  {p}erased:{tenant}:{sha256(client_reference)}   when the reference was last erased (a tombstone that
+                               expires with the transactions that could still name it)
   {p}gallery-indexed:{tenant}  marks that the three indexes above were built for faces enrolled before
                                they existed (done once, on the first listing or statistics call)
 
@@ -61,9 +63,12 @@ return 1
 
 
 class RedisFaceRecordStore:
-    def __init__(self, redis: Redis, prefix: str = "fs:") -> None:
+    def __init__(self, redis: Redis, prefix: str = "fs:", *, erasure_ttl_s: int | None = None) -> None:
+        """erasure_ttl_s: how long an erasure's tombstone is kept (None: for ever). It must outlive every
+        transaction created before the erasure (see erased_at)."""
         self._redis = redis
         self._prefix = prefix
+        self._erasure_ttl_s = erasure_ttl_s
 
     def _face_key(self, tenant_id: str, face_id: str) -> str:
         return f"{self._prefix}face:{tenant_id}:{face_id}"
@@ -221,6 +226,20 @@ class RedisFaceRecordStore:
                 async for face_id in self._redis.sscan_iter(self._faces_key(tenant), count=1000):
                     result.add((tenant, text(face_id)))
         return result
+
+    def _erased_key(self, tenant_id: str, client_reference: str) -> str:
+        return f"{self._prefix}erased:{tenant_id}:{_reference_hash(client_reference)}"
+
+    async def mark_erased(self, tenant_id: str, client_reference: str, erased_at: float) -> None:
+        async with redis_errors():
+            await self._redis.set(
+                self._erased_key(tenant_id, client_reference), repr(float(erased_at)), ex=self._erasure_ttl_s
+            )
+
+    async def erased_at(self, tenant_id: str, client_reference: str) -> float | None:
+        async with redis_errors():
+            raw = await self._redis.get(self._erased_key(tenant_id, client_reference))
+        return float(raw) if raw is not None else None
 
     def reference_lock(self, tenant_id: str, client_reference: str, timeout_s: float) -> Any:
         """Async context manager holding a Redis lock for (tenant, client_reference).

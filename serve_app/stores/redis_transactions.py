@@ -1,11 +1,14 @@
 """Transactions and the work queue in Redis.
 
 Keys (prefix default "fs:"):
-  {p}txn:{reference_id}       hash, one field per Transaction attribute (result/extra as JSON)
+  {p}txn:{reference_id}       hash of the Transaction's attributes (encode_transaction: defaults left out,
+                              the outcome as short fields, see outcome_codec)
   {p}txn-done:{reference_id}  short-lived list: the completion signal wait_final blocks on
   {p}sys:tx-counts            hash state -> number of transactions in that state
   {p}sys:tx-queue             stream of {"ref": reference_id}; consumer group "workers"
   {p}sys:tx-consumers         sorted set consumer -> last heartbeat (Redis server time, ms)
+  {p}sys:tx-finished          stream of {"ref": reference_id}, one entry per transaction that became final
+                              while results are archived (archive_after_s): the result archiver's to-do list
 
 Each family has a prefix that no other key starts with, so a reference_id can only ever name a key of its
 own family (an earlier layout put the queue at {p}tx:queue, where reference_id "queue" reached it). The API
@@ -29,7 +32,6 @@ so a live worker polling an empty queue would look as idle as a dead one.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -42,10 +44,11 @@ from redis.typing import EncodableT, FieldT
 from serve_app.domain.errors import BackendUnavailable
 from serve_app.domain.identifiers import is_reference_id
 from serve_app.domain.outcomes import Outcome
-from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState
-from serve_app.stores.interfaces import QueueEntry
-from serve_app.stores.outcome_codec import decode_outcome, encode_outcome
+from serve_app.domain.transactions import Transaction, TransactionState, upload_key
+from serve_app.stores.interfaces import FinishedEntry, QueueEntry
+from serve_app.stores.outcome_codec import outcome_fields
 from serve_app.stores.redis_support import redis_errors, socket_timeout_of, text, text_map
+from serve_app.stores.transaction_codec import decode_transaction, encode_transaction
 
 logger = logging.getLogger(__name__)
 
@@ -75,20 +78,39 @@ end
 return redis.call('HGETALL', KEYS[1])
 """
 
-# Non-final -> final (ARGV[1]); sets ARGV[3]=ARGV[4] (result or error), optional expiry, and pushes the
-# completion signal. Returns 1 when it changed the state, 0 when unknown or already final.
+# Non-final -> final (ARGV[1]) at time ARGV[2]: sets the field/value pairs from ARGV[6] on (the result or
+# the error), the expiry ARGV[3] (0: none), pushes the completion signal (kept ARGV[4] s) and, when ARGV[5]
+# names the reference id, appends it to the stream of finished transactions the result archiver reads
+# (KEYS[4]; its entry ids are the completion times). Returns 1 when it changed the state, 0 when unknown
+# or already final.
 _FINALIZE = """
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return 0 end
 if state == 'completed' or state == 'failed' then return 0 end
-redis.call('HSET', KEYS[1], 'state', ARGV[1], 'updated_at', ARGV[2], ARGV[3], ARGV[4])
+redis.call('HSET', KEYS[1], 'state', ARGV[1], 'updated_at', ARGV[2], unpack(ARGV, 6))
 redis.call('HINCRBY', KEYS[2], state, -1)
 redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
-if tonumber(ARGV[5]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[5]) end
+if tonumber(ARGV[3]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[3]) end
 redis.call('DEL', KEYS[3])
 redis.call('RPUSH', KEYS[3], ARGV[1])
-redis.call('EXPIRE', KEYS[3], ARGV[6])
+redis.call('EXPIRE', KEYS[3], ARGV[4])
+if ARGV[5] ~= '' then redis.call('XADD', KEYS[4], '*', 'ref', ARGV[5]) end
 return 1
+"""
+
+# Drops archived transactions: KEYS[1] the finished stream, KEYS[i + 1] the hash whose stream entry id is
+# ARGV[i]. A hash goes only while it is final (the archived copy is of that final state), then its entry.
+_DROP_ARCHIVED = """
+local dropped = 0
+for i = 1, #ARGV do
+  local state = redis.call('HGET', KEYS[i + 1], 'state')
+  if state == 'completed' or state == 'failed' then
+    redis.call('DEL', KEYS[i + 1])
+    dropped = dropped + 1
+  end
+  redis.call('XDEL', KEYS[1], ARGV[i])
+end
+return dropped
 """
 
 # Lease renewal: for each id still pending with consumer ARGV[2], XCLAIM ... JUSTID (idle time back to 0,
@@ -138,51 +160,6 @@ return removed
 """
 
 
-def _encode(tx: Transaction) -> dict[FieldT, EncodableT]:
-    fields: dict[FieldT, EncodableT] = {
-        "reference_id": tx.reference_id,
-        "tenant_id": tx.tenant_id,
-        "kind": tx.kind.value,
-        "state": tx.state.value,
-        "created_at": repr(float(tx.created_at)),
-        "updated_at": repr(float(tx.updated_at)),
-        "image_key": tx.image_key,
-        "enroll_face": "1" if tx.enroll_face else "0",
-        "allow_override": "1" if tx.allow_override else "0",
-        "attempts": str(tx.attempts),
-        "extra": json.dumps(tx.extra),
-    }
-    # Absent fields stand for None.
-    if tx.client_reference is not None:
-        fields["client_reference"] = tx.client_reference
-    if tx.result is not None:
-        fields["result"] = encode_outcome(tx.result)
-    if tx.error is not None:
-        fields["error"] = tx.error
-    return fields
-
-
-def _decode(fields: Mapping[str, str]) -> Transaction:
-    result = fields.get("result")
-    kind = TransactionKind(fields["kind"])
-    return Transaction(
-        reference_id=fields["reference_id"],
-        tenant_id=fields["tenant_id"],
-        kind=kind,
-        state=TransactionState(fields["state"]),
-        created_at=float(fields["created_at"]),
-        updated_at=float(fields["updated_at"]),
-        image_key=fields["image_key"],
-        enroll_face=fields.get("enroll_face") == "1",
-        allow_override=fields.get("allow_override") == "1",
-        client_reference=fields.get("client_reference"),
-        attempts=int(fields.get("attempts", "0")),
-        result=decode_outcome(kind, result) if result is not None else None,
-        error=fields.get("error"),
-        extra=json.loads(fields.get("extra") or "{}"),
-    )
-
-
 def _pairs_to_dict(flat: Sequence[Any]) -> dict[str, str]:
     """HGETALL as returned from a Lua script: [field, value, field, value, ...]."""
     return {text(flat[i]): text(flat[i + 1]) for i in range(0, len(flat), 2)}
@@ -201,11 +178,14 @@ class RedisTransactionStore:
         done_signal_ttl_s: int = 60,
         replicas: int = 0,
         replica_timeout_ms: int = 1000,
+        archive_after_s: int = 0,
     ) -> None:
         """finished_ttl_s: expire final transactions after this long (None: keep them).
         done_signal_ttl_s: how long a completion signal outlives the completion, for slow waiters.
         replicas: create_and_enqueue returns only once this many replicas hold the new transaction (WAIT),
-        else raises BackendUnavailable after replica_timeout_ms (see the README's durability contract)."""
+        else raises BackendUnavailable after replica_timeout_ms (see the README's durability contract).
+        archive_after_s: > 0: list final transactions for the result archiver (finished_before), which
+        moves them out of Redis this long after they became final (pipelines/result_archive.py)."""
         if replicas < 0 or replica_timeout_ms <= 0:
             raise ValueError("replicas must be >= 0 and replica_timeout_ms > 0")
         self._replicas = replicas
@@ -217,6 +197,8 @@ class RedisTransactionStore:
         self._consumers = f"{prefix}sys:tx-consumers"
         self._group = group
         self._finished_ttl_s = finished_ttl_s or 0
+        self._archive_after_s = archive_after_s
+        self._finished = f"{prefix}sys:tx-finished"
         # A completion signal never outlives its transaction.
         self._done_ttl_s = max(1, min(done_signal_ttl_s, self._finished_ttl_s or done_signal_ttl_s))
         self._group_ready = False
@@ -227,8 +209,14 @@ class RedisTransactionStore:
         self._create = redis.register_script(_CREATE)
         self._mark_processing = redis.register_script(_MARK_PROCESSING)
         self._finalize = redis.register_script(_FINALIZE)
+        self._drop_archived = redis.register_script(_DROP_ARCHIVED)
         self._renew = redis.register_script(_RENEW)
         self._prune = redis.register_script(_PRUNE)
+
+    @property
+    def redis(self) -> Redis:
+        """The client, for other stores of the same process to share (a lease, say)."""
+        return self._redis
 
     def _tx_key(self, reference_id: str) -> str:
         return f"{self._prefix}txn:{reference_id}"
@@ -241,12 +229,13 @@ class RedisTransactionStore:
     async def create_and_enqueue(self, tx: Transaction) -> None:
         if self._replicas == 0:
             async with redis_errors(), self._redis.pipeline(transaction=True) as pipe:
-                pipe.hset(self._tx_key(tx.reference_id), mapping=_encode(tx))
+                fields: dict[FieldT, EncodableT] = {k: v for k, v in encode_transaction(tx).items()}
+                pipe.hset(self._tx_key(tx.reference_id), mapping=fields)
                 pipe.hincrby(self._counts, tx.state.value, 1)
                 pipe.xadd(self._stream, {"ref": tx.reference_id})
                 await pipe.execute()
             return
-        pairs: list[EncodableT] = [item for pair in _encode(tx).items() for item in pair]
+        pairs: list[EncodableT] = [item for pair in encode_transaction(tx).items() for item in pair]
         async with redis_errors(), self._redis.client() as connection:  # one connection: script, then WAIT
             await self._create(
                 keys=[self._tx_key(tx.reference_id), self._counts, self._stream],
@@ -267,30 +256,76 @@ class RedisTransactionStore:
             return None  # never issued, so never stored
         async with redis_errors():
             fields = await self._redis.hgetall(self._tx_key(reference_id))
-        return _decode(text_map(fields)) if fields else None
+        return decode_transaction(reference_id, text_map(fields)) if fields else None
 
     async def mark_processing(self, reference_id: str) -> Transaction | None:
         async with redis_errors():
             flat = await self._mark_processing(
                 keys=[self._tx_key(reference_id), self._counts], args=[repr(time.time())]
             )
-        return _decode(_pairs_to_dict(flat)) if flat else None
+        return decode_transaction(reference_id, _pairs_to_dict(flat)) if flat else None
 
     async def complete(self, reference_id: str, result: Outcome) -> bool:
-        return await self._finish(reference_id, TransactionState.COMPLETED, "result", encode_outcome(result))
+        return await self._finish(reference_id, TransactionState.COMPLETED, outcome_fields(result))
 
     async def fail(self, reference_id: str, error: str) -> None:
-        await self._finish(reference_id, TransactionState.FAILED, "error", error)
+        await self._finish(reference_id, TransactionState.FAILED, {"error": error})
 
-    async def _finish(self, reference_id: str, state: TransactionState, field: str, value: str) -> bool:
+    async def _finish(self, reference_id: str, state: TransactionState, fields: Mapping[str, str]) -> bool:
+        pairs = [item for pair in fields.items() for item in pair]
         async with redis_errors():
             changed = await self._finalize(
-                keys=[self._tx_key(reference_id), self._counts, self._done_key(reference_id)],
-                args=[state.value, repr(time.time()), field, value, self._finished_ttl_s, self._done_ttl_s],
+                keys=[
+                    self._tx_key(reference_id),
+                    self._counts,
+                    self._done_key(reference_id),
+                    self._finished,
+                ],
+                args=[
+                    state.value,
+                    repr(time.time()),
+                    self._finished_ttl_s,
+                    self._done_ttl_s,
+                    reference_id if self._archive_after_s else "",
+                    *pairs,
+                ],
             )
         if not changed:
             logger.info("transaction %s is unknown or already final; %s ignored", reference_id, state.value)
         return bool(changed)
+
+    async def finished_before(self, age_s: float, limit: int) -> list[FinishedEntry]:
+        """Up to `limit` transactions that became final more than age_s ago (by Redis' clock), oldest
+        first, with their stored state (None once expired). Only those finished while archiving was on
+        (archive_after_s) are listed."""
+        async with redis_errors():
+            seconds, micros = await self._redis.time()
+            cutoff_ms = int((seconds + micros / 1e6 - age_s) * 1000)
+            if cutoff_ms <= 0:
+                return []
+            page: Any = await self._redis.xrange(self._finished, "-", f"{cutoff_ms}", count=limit)
+            entries = [
+                (text(entry_id), text(fields["ref"])) for entry_id, fields in page or [] if "ref" in fields
+            ]
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for _entry_id, reference_id in entries:
+                    pipe.hgetall(self._tx_key(reference_id))
+                hashes = await pipe.execute() if entries else []
+        return [
+            FinishedEntry(
+                entry_id, reference_id, decode_transaction(reference_id, text_map(raw)) if raw else None
+            )
+            for (entry_id, reference_id), raw in zip(entries, hashes, strict=True)
+        ]
+
+    async def drop_archived(self, entries: Sequence[FinishedEntry]) -> int:
+        """Delete the Redis copy of transactions whose archived copy is written, and their entries in the
+        finished stream; returns how many copies were deleted."""
+        if not entries:
+            return 0
+        keys = [self._finished, *(self._tx_key(entry.reference_id) for entry in entries)]
+        async with redis_errors():
+            return int(await self._drop_archived(keys=keys, args=[entry.entry_id for entry in entries]))
 
     async def wait_final(
         self, reference_id: str, timeout_s: float, *, seen_pending: bool = False
@@ -326,9 +361,13 @@ class RedisTransactionStore:
                 references = [text(fields["ref"]) for _entry_id, fields in page if fields and "ref" in fields]
                 async with self._redis.pipeline(transaction=False) as pipe:
                     for reference_id in references:
-                        pipe.hget(self._tx_key(reference_id), "image_key")
+                        pipe.hmget(self._tx_key(reference_id), ["tenant_id", "image_key"])
                     values = await pipe.execute() if references else []
-                found.update(text(value) for value in values if value is not None)
+                for reference_id, (tenant_id, image_key) in zip(references, values, strict=True):
+                    if image_key is not None:
+                        found.add(text(image_key))
+                    elif tenant_id is not None:  # the usual upload key, left out of the hash
+                        found.add(upload_key(text(tenant_id), reference_id))
                 if len(page) < 1000:
                     return found
                 start = f"({text(page[-1][0])}"  # exclusive: the next page starts after the last entry

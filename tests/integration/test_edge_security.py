@@ -156,7 +156,7 @@ def test_every_redis_key_belongs_to_exactly_one_documented_family(
             families = {
                 "txn": rf"{p}txn:[0-9a-f]{{32}}",
                 "txn-done": rf"{p}txn-done:[0-9a-f]{{32}}",
-                "sys": rf"{p}sys:(tx-queue|tx-counts)",
+                "sys": rf"{p}sys:(tx-queue|tx-counts|tx-finished|tx-consumers)",
                 "client": rf"{p}client:cl_[0-9a-f]{{24}}",
                 "client-secret": rf"{p}client-secret:[0-9a-f]{{64}}",
                 "clients": rf"{p}clients",

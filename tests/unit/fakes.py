@@ -345,6 +345,15 @@ class FakeFaceRecordStore:
         self.lock_holders: dict[tuple[str, str], int] = {}
         self.max_lock_holders = 0
         self.lock_acquisitions: list[tuple[str, str]] = []
+        self._erased: dict[tuple[str, str], float] = {}
+
+    async def mark_erased(self, tenant_id: str, client_reference: str, erased_at: float) -> None:
+        await self._faults.check("records.mark_erased")
+        self._erased[(tenant_id, client_reference)] = erased_at
+
+    async def erased_at(self, tenant_id: str, client_reference: str) -> float | None:
+        await self._faults.check("records.erased_at")
+        return self._erased.get((tenant_id, client_reference))
 
     async def put(self, record: FaceRecord) -> None:
         await self._faults.check("records.put")
@@ -918,7 +927,7 @@ class World:
         )
 
     def transaction_service(self, max_image_pixels: int = 40_000_000) -> TransactionService:
-        return TransactionService(self.transactions, self.blobs, max_image_pixels)
+        return TransactionService(self.transactions, self.blobs, max_image_pixels, records=self.record_store)
 
     async def enrol(
         self,

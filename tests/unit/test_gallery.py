@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections.abc import Callable
 from typing import Any
 
 from serve_app.domain.gallery import AuditAction
@@ -12,10 +14,12 @@ from tests.unit.fakes import (
     FakeAuditLog,
     World,
     assert_error_envelope,
+    at_cosine,
     build_api,
     embedding,
     face,
 )
+from tests.unit.test_api import create_search, result
 from tests.unit.test_processing import RED, matched, submit_search
 
 TENANT = "tenant-a"
@@ -27,7 +31,9 @@ def face_id(n: int) -> str:
     return f"f{n:032x}"
 
 
-def service(world: World, audit: FakeAuditLog | None = None) -> GalleryService:
+def service(
+    world: World, audit: FakeAuditLog | None = None, clock: Callable[[], float] = lambda: 1_800_000_000.0
+) -> GalleryService:
     return GalleryService(
         world.record_store,
         world.gallery,
@@ -35,7 +41,7 @@ def service(world: World, audit: FakeAuditLog | None = None) -> GalleryService:
         audit or FakeAuditLog(),
         subject_key=KEY,
         model_version=world.policy.model_version,
-        clock=lambda: 1_800_000_000.0,
+        clock=clock,
     )
 
 
@@ -108,12 +114,12 @@ def test_an_erased_face_is_never_matched_again() -> None:
         world.analysis.faces_by_color[RED] = [face(embedding(1))]
         before = await submit_search(world, RED, enroll_face=False)
         await world.processor().process(before.reference_id)
-        assert [m[0] for m in matched(world, before)] == [face_id(1)]
+        assert [m[0] for m in await matched(world, before)] == [face_id(1)]
 
         await service(world).erase_reference(TENANT, "cl_actor", "customer-x")
         after = await submit_search(world, RED, enroll_face=False)
         await world.processor().process(after.reference_id)
-        assert matched(world, after) == []
+        assert await matched(world, after) == []
 
     run(scenario())
 
@@ -134,6 +140,83 @@ def test_erasure_racing_an_enrolment_of_the_reference_leaves_no_orphan() -> None
             # Whichever ran first, a vector exists exactly when its record does.
             assert world.gallery.face_ids(TENANT) == records
             assert world.record_store.max_lock_holders == 1
+
+    run(scenario())
+
+
+def test_a_transaction_accepted_before_an_erasure_never_enrols_the_reference_after_it() -> None:
+    async def scenario() -> None:
+        for allow_override in (False, True):
+            world = World()
+            world.analysis.faces_by_color[RED] = [face(embedding(7))]
+            late = await submit_search(
+                world, RED, client_reference="customer-e", allow_override=allow_override
+            )
+            # The erasure runs while the transaction waits in the queue (at the same instant counts too).
+            await service(world, clock=functools.partial(float, late.created_at)).erase_reference(
+                TENANT, "cl_actor", "customer-e"
+            )
+            await world.processor().process(late.reference_id)
+            final = world.transactions.peek(late.reference_id)
+            assert final.result is not None and final.result.enrolled is False
+            assert world.record_store.for_reference(TENANT, "customer-e") == []
+            assert world.gallery.face_ids(TENANT) == set()
+            assert late.image_key not in world.blobs.items  # nothing refers to the upload any more
+            # A transaction accepted after the erasure enrols the reference again.
+            fresh = await submit_search(world, RED, client_reference="customer-e")
+            await world.processor().process(fresh.reference_id)
+            assert [r.face_id for r in world.record_store.for_reference(TENANT, "customer-e")] == [
+                enrolled_face_id(fresh.reference_id)
+            ]
+
+    run(scenario())
+
+
+def test_results_read_after_an_erasure_no_longer_name_the_reference_or_its_proof() -> None:
+    """Stored results keep face ids; references are joined when read, so an erasure reaches results
+    finished before it: the match goes (with its proof URL), and the searcher's own client_reference
+    reads as "" once that reference is erased."""
+
+    async def scenario() -> None:
+        world = World()
+        api = await build_api(world)
+        gallery = service(world, clock=lambda: 1_800_000_000.0)
+        api.services = _with_gallery(api.services, gallery)
+        erased = await world.enrol(api.client_id, face_id(1), embedding(1), "customer-x")
+        kept = await world.enrol(api.client_id, face_id(2), at_cosine(embedding(1), 0.9), "customer-y")
+        world.analysis.faces_by_color[RED] = [face(embedding(1))]
+        async with api.http() as http:
+            reference_id = await create_search(api, http, RED, client_reference="customer-own")
+            await world.processor().process(reference_id)
+
+            async def read() -> dict[str, Any]:
+                response = await result(api, http, reference_id)
+                assert response.status_code == 200, response.text
+                data: dict[str, Any] = response.json()["result"]["data"]
+                return data
+
+            before = await read()
+            assert before["client_reference"] == "customer-own"
+            matches = before["face_search_response"]["result"]["matched_faces"]
+            assert [(m[0], m[3]) for m in matches] == [
+                (erased.face_id, "customer-x"),
+                (kept.face_id, "customer-y"),
+            ]
+            proof_path = matches[0][2].removeprefix("http://testserver")
+            assert (await http.get(proof_path)).status_code == 200
+
+            await gallery.erase_reference(api.client_id, "cl_actor", "customer-x")
+            after = await read()
+            matches = after["face_search_response"]["result"]["matched_faces"]
+            assert [(m[0], m[3]) for m in matches] == [(kept.face_id, "customer-y")]
+            assert "customer-x" not in repr(after)
+            assert (await http.get(proof_path)).status_code == 404
+            assert after["client_reference"] == "customer-own"
+
+            await gallery.erase_reference(api.client_id, "cl_actor", "customer-own")
+            own_erased = await read()
+            assert own_erased["client_reference"] == ""
+            assert "customer-own" not in repr(own_erased)
 
     run(scenario())
 

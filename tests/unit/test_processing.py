@@ -61,8 +61,9 @@ async def submit_age(world: World, color: Color, *, enroll_face: bool = True) ->
     return await world.transaction_service().create_age_estimation(command)
 
 
-def matched(world: World, tx: Transaction) -> list[list[object]]:
-    final = world.transactions.peek(tx.reference_id)
+async def matched(world: World, tx: Transaction) -> list[list[object]]:
+    """The matches as the owner reads them: the references joined from the face records."""
+    final = await world.transaction_service().readable(world.transactions.peek(tx.reference_id))
     assert final.state is TransactionState.COMPLETED, final
     assert isinstance(final.result, FaceSearchOutcome)
     return triples(final.result)
@@ -79,7 +80,7 @@ def test_search_runs_before_enrolment_so_a_probe_never_matches_itself() -> None:
         first = await submit_search(world, RED, client_reference="customer-1")
         await world.processor().process(first.reference_id)
 
-        assert matched(world, first) == []
+        assert await matched(world, first) == []
         own = enrolled_face_id(first.reference_id)
         assert world.gallery.face_ids(TENANT) == {own}
         record = await world.record_store.get(TENANT, own)
@@ -93,7 +94,7 @@ def test_search_runs_before_enrolment_so_a_probe_never_matches_itself() -> None:
         # The same face again matches the first enrolment (cosine 1), never its own new one.
         second = await submit_search(world, RED)
         await world.processor().process(second.reference_id)
-        assert matched(world, second) == [[own, pytest.approx(1.0, abs=1e-4), "customer-1"]]
+        assert await matched(world, second) == [[own, pytest.approx(1.0, abs=1e-4), "customer-1"]]
         assert world.gallery.face_ids(TENANT) == {own, enrolled_face_id(second.reference_id)}
 
     asyncio.run(scenario())
@@ -115,7 +116,7 @@ def test_matches_are_the_tenants_own_closest_first_within_the_minimum_score() ->
         tx = await submit_search(world, RED, enroll_face=False)
         await world.processor().process(tx.reference_id)
 
-        result = matched(world, tx)
+        result = await matched(world, tx)
         assert [entry[0] for entry in result] == ["near", "mid", "edge"]
         assert [entry[2] for entry in result] == ["ref-near", "", "ref-edge"]
         scores = [float(str(entry[1])) for entry in result]
@@ -141,7 +142,7 @@ def test_match_list_is_capped_at_max_matches() -> None:
         world.analysis.faces_by_color[RED] = [face(probe)]
         tx = await submit_search(world, RED, enroll_face=False)
         await world.processor().process(tx.reference_id)
-        assert [entry[0] for entry in matched(world, tx)] == ["face-0", "face-1"]
+        assert [entry[0] for entry in await matched(world, tx)] == ["face-0", "face-1"]
 
     asyncio.run(scenario())
 
@@ -168,7 +169,7 @@ def test_retry_after_a_crash_between_enrolment_and_completion_enrols_once_and_sk
         assert final.attempts == 2
         # The earlier attempt's face is identical and comes back from the gallery first; it is dropped,
         # and max_matches=1 still leaves room for the real match.
-        assert [entry[0] for entry in matched(world, tx)] == ["other"]
+        assert [entry[0] for entry in await matched(world, tx)] == ["other"]
         assert world.gallery.face_ids(TENANT) == {"other", own}
         assert sorted(record.face_id for record in world.record_store.records(TENANT)) == sorted(
             ["other", own]
@@ -429,7 +430,7 @@ def test_enroll_face_false_never_writes_to_the_gallery() -> None:
             assert world.transactions.peek(tx.reference_id).state is TransactionState.COMPLETED
             assert tx.image_key not in world.blobs.items
 
-        assert [entry[0] for entry in matched(world, search)] == ["known"]
+        assert [entry[0] for entry in await matched(world, search)] == ["known"]
         assert world.faults.calls.get("gallery.add", 0) == adds_before
         assert world.faults.calls.get("records.put", 0) == puts_before
         assert world.gallery.face_ids() == {"known"}
@@ -575,7 +576,7 @@ def test_match_references_come_from_the_face_records_and_vectors_without_a_recor
         await world.record_store.delete(TENANT, debris.face_id)  # a removal interrupted after the record
         probe = await submit_search(world, RED, enroll_face=False)
         await world.processor().process(probe.reference_id)
-        [(face_id, _score, returned)] = [tuple(entry) for entry in matched(world, probe)]
+        [(face_id, _score, returned)] = [tuple(entry) for entry in await matched(world, probe)]
         assert face_id == "kept"
         assert isinstance(returned, str) and returned.encode() == reference.encode()
 
@@ -594,14 +595,14 @@ def test_default_minimum_score_follows_the_tenants_gallery_size() -> None:
             await world.enrol(TENANT, f"filler-{index}", embedding(100 + index))
         tx = await submit_search(world, RED, enroll_face=False)
         await world.processor().process(tx.reference_id)
-        assert [entry[0] for entry in matched(world, tx)] == ["mate"]
+        assert [entry[0] for entry in await matched(world, tx)] == ["mate"]
         assert world.gallery.searches[-1][2] == pytest.approx(calibration.cosine_for_score(0.4), abs=1e-4)
 
         for index in range(99, 999):
             await world.enrol(TENANT, f"filler-{index}", embedding(100 + index))
         tx = await submit_search(world, RED, enroll_face=False)
         await world.processor().process(tx.reference_id)
-        assert matched(world, tx) == []
+        assert await matched(world, tx) == []
         assert world.gallery.searches[-1][2] == pytest.approx(calibration.cosine_for_score(0.5), abs=1e-4)
 
     asyncio.run(scenario())
@@ -621,7 +622,7 @@ def test_a_tenants_own_minimum_score_and_match_count_come_first() -> None:
         async def search() -> list[object]:
             tx = await submit_search(world, RED, tenant_id=tenant.client_id, enroll_face=False)
             await world.processor().process(tx.reference_id)
-            return [entry[0] for entry in matched(world, tx)]
+            return [entry[0] for entry in await matched(world, tx)]
 
         assert await search() == ["face-0.95", "face-0.9"]
         await world.clients.update_search_settings(tenant.client_id, min_score=0.25, max_matches=3)
@@ -681,7 +682,7 @@ def test_a_probe_below_the_search_bar_cannot_produce_certainty() -> None:
         good = await submit_search(world, RED, enroll_face=False)
         await world.processor().process(good.reference_id)
         # Two faces: bar 0.23 (FPIR 1 %); both match, the best with its full score.
-        assert [(entry[0], entry[1]) for entry in matched(world, good)] == [
+        assert [(entry[0], entry[1]) for entry in await matched(world, good)] == [
             ("face-0.99", pytest.approx(0.99, abs=1e-3)),
             ("face-0.35", pytest.approx(0.35, abs=1e-3)),
         ]

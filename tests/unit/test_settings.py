@@ -108,6 +108,28 @@ def test_bad_values_stop_start_up_naming_the_variable(clean_env: pytest.MonkeyPa
         Settings.from_env()
 
 
+def test_results_archive_settings(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    settings = Settings.from_env()
+    assert settings.results == tmp_path / "results"
+    retention = settings.retention
+    assert (retention.result_hot_window_s, retention.archive_after_s) == (24 * 3600, 24 * 3600)
+    assert retention.erasure_memory_s == retention.transaction_retention_s + 24 * 3600
+    # A hot window as long as the retention, or none: results stay in Redis until they expire.
+    clean_env.setenv("FACESEARCH_RESULT_HOT_WINDOW_S", str(retention.transaction_retention_s))
+    assert Settings.from_env().retention.archive_after_s == 0
+    clean_env.setenv("FACESEARCH_RESULT_HOT_WINDOW_S", "0")
+    assert Settings.from_env().retention.archive_after_s == 0
+    clean_env.setenv("FACESEARCH_RESULT_HOT_WINDOW_S", "60")
+    clean_env.setenv("FACESEARCH_TRANSACTION_RETENTION_S", "0")  # kept for ever: archived, never swept
+    assert Settings.from_env().retention.archive_after_s == 60
+    assert Settings.from_env().retention.erasure_memory_s is None
+    # The archive may not live inside the blob directory that reconciliation sweeps, nor contain it.
+    for results in (tmp_path / "blobs", tmp_path / "blobs" / "results", tmp_path):
+        clean_env.setenv("FACESEARCH_RESULTS_DIR", str(results))
+        with pytest.raises(ValidationError, match="FACESEARCH_RESULTS_DIR"):
+            Settings.from_env()
+
+
 def test_unrelated_short_variable_names_are_not_read(clean_env: pytest.MonkeyPatch) -> None:
     # Aliases replace the prefixed names: a generic URL / TOKEN in the environment must not leak in.
     clean_env.setenv("URL", "redis://wrong")

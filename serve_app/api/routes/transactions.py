@@ -124,6 +124,7 @@ def router() -> APIRouter:
                 envelope("Age estimation transaction created.", {"reference_id": tx.reference_id})
             )
         final = await services.transactions.wait_final(tx, services.wait_for_result_timeout_s)
+        final = await services.transactions.readable(final)
         return result_response(final, base_url(request, services), services.signer, created=True)
 
     @routes.post(
@@ -157,6 +158,7 @@ def router() -> APIRouter:
         )
         if wait_s > 0 and not tx.state.is_final:
             tx = await services.transactions.wait_final(tx, wait_s)
+        tx = await services.transactions.readable(tx)
         response = result_response(tx, base_url(request, services), services.signer, created=False)
         if wait_s > 0:
             response.headers["Preference-Applied"] = f"wait={wait_s:g}"

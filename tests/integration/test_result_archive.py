@@ -1,0 +1,296 @@
+"""Compact finished transactions, the result archive and erasure tombstones against a real redis-server
+(serve_app.embedded, 127.0.0.1) and a real blob directory. Nothing is mocked; where the order of two
+processes' steps matters, a blob store that pauses inside its write lets the test read in between.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import uuid
+from collections.abc import Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from redis.asyncio import Redis
+
+from serve_app.domain.outcomes import AgeEstimationOutcome, FaceMatch, FaceSearchOutcome, QualityReport
+from serve_app.domain.transactions import (
+    Transaction,
+    TransactionKind,
+    TransactionState,
+    new_reference_id,
+    upload_key,
+)
+from serve_app.embedded import EmbeddedRedis
+from serve_app.pipelines.result_archive import ArchiveReport, ResultArchiver, archive_finished
+from serve_app.pipelines.transactions import TransactionService
+from serve_app.stores.blobs import LocalBlobStore
+from serve_app.stores.redis_lease import RedisLease
+from serve_app.stores.redis_records import RedisFaceRecordStore
+from serve_app.stores.redis_support import connect_redis, text, text_map
+from serve_app.stores.redis_transactions import RedisTransactionStore
+from serve_app.stores.result_archive import BlobResultArchive, archive_key
+
+T = TypeVar("T")
+TENANT = "cl_" + "a" * 24
+MATCHES = tuple(FaceMatch(f"f{index:032x}", round(0.9 - index / 50, 6), "") for index in range(10))
+SEARCH = FaceSearchOutcome(is_face_found=True, matches=MATCHES, enrolled=True)
+AGE = AgeEstimationOutcome(age=31, under_18=0, under_21=0)
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    server = EmbeddedRedis(tmp_path_factory.mktemp("archive") / "redis")
+    server.start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def run(coroutine: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coroutine)
+
+
+def new_tx(
+    kind: TransactionKind = TransactionKind.FACE_SEARCH, client_reference: str | None = None
+) -> Transaction:
+    now = time.time()
+    reference_id = new_reference_id()
+    return Transaction(
+        reference_id=reference_id,
+        tenant_id=TENANT,
+        kind=kind,
+        state=TransactionState.QUEUED,
+        created_at=now,
+        updated_at=now,
+        image_key=upload_key(TENANT, reference_id),
+        enroll_face=True,
+        client_reference=client_reference,
+    )
+
+
+async def finished(store: RedisTransactionStore, tx: Transaction, outcome: Any) -> Transaction:
+    await store.create_and_enqueue(tx)
+    await store.mark_processing(tx.reference_id)
+    await store.complete(tx.reference_id, outcome)
+    final = await store.get(tx.reference_id)
+    assert final is not None
+    return final
+
+
+def stores(redis: Redis, directory: Path, **options: Any) -> tuple[RedisTransactionStore, BlobResultArchive]:
+    prefix = f"a{uuid.uuid4().hex[:8]}:"
+    store = RedisTransactionStore(redis, prefix=prefix, finished_ttl_s=3600, **options)
+    return store, BlobResultArchive(LocalBlobStore(directory), retention_s=3600)
+
+
+def test_a_finished_transaction_is_a_compact_hash_and_earlier_hashes_still_read(
+    redis_url: str, tmp_path: Path
+) -> None:
+    async def scenario() -> None:
+        redis = connect_redis(redis_url)
+        store, _ = stores(redis, tmp_path)
+        try:
+            for kind, outcome in (
+                (TransactionKind.FACE_SEARCH, SEARCH),
+                (TransactionKind.AGE_ESTIMATION, AGE),
+            ):
+                tx = await finished(store, new_tx(kind, "customer-0001"), outcome)
+                assert tx.result == outcome and tx.image_key == upload_key(TENANT, tx.reference_id)
+                key = f"{store._prefix}txn:{tx.reference_id}"
+                # Every value short enough for Redis' compact hash encoding (ziplist before 7.0).
+                assert text(await redis.object("encoding", key)) in ("ziplist", "listpack")
+                assert tx.reference_id not in json.dumps(text_map(await redis.hgetall(key)))
+
+            # A hash as the earlier layout wrote it: every field, the result one JSON document whose
+            # matches carry their reference (ignored now: references are joined when read).
+            legacy_id = new_reference_id()
+            await redis.hset(
+                f"{store._prefix}txn:{legacy_id}",
+                mapping={
+                    "reference_id": legacy_id,
+                    "tenant_id": TENANT,
+                    "kind": "face_search",
+                    "state": "completed",
+                    "created_at": "1.5",
+                    "updated_at": "2.5",
+                    "image_key": f"uploads/{TENANT}/{legacy_id}",
+                    "enroll_face": "1",
+                    "allow_override": "0",
+                    "attempts": "1",
+                    "extra": "{}",
+                    "client_reference": "customer-0002",
+                    "result": json.dumps(
+                        {
+                            "is_face_found": True,
+                            "matched_faces": [["fabc", 0.5, "customer-9"]],
+                            "enrolled": True,
+                        }
+                    ),
+                },
+            )
+            legacy = await store.get(legacy_id)
+            assert legacy is not None and legacy.client_reference == "customer-0002"
+            assert legacy.result == FaceSearchOutcome(True, (FaceMatch("fabc", 0.5, ""),), enrolled=True)
+        finally:
+            await redis.aclose()
+
+    run(scenario())
+
+
+class PausingBlobs(LocalBlobStore):
+    """A real blob directory whose writes wait for the test (to read in between) or fail."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory)
+        self.writing = asyncio.Event()
+        self.proceed = asyncio.Event()
+        self.fail = False
+
+    async def put(self, key: str, data: bytes, content_type: str) -> None:
+        self.writing.set()
+        await self.proceed.wait()
+        if self.fail:
+            raise OSError("disk full")
+        await super().put(key, data, content_type)
+
+
+def test_archiving_moves_a_result_without_a_moment_where_it_cannot_be_read(
+    redis_url: str, tmp_path: Path
+) -> None:
+    async def scenario() -> None:
+        redis = connect_redis(redis_url)
+        store, _ = stores(redis, tmp_path, archive_after_s=60)
+        blobs = PausingBlobs(tmp_path / "results")
+        archive = BlobResultArchive(blobs, retention_s=3600)
+        service = TransactionService(store, LocalBlobStore(tmp_path / "blobs"), 40_000_000, archive=archive)
+        try:
+            search = await finished(store, new_tx(client_reference="customer-0003"), SEARCH)
+            age = await finished(store, new_tx(TransactionKind.AGE_ESTIMATION), AGE)
+            failed = new_tx()
+            await store.create_and_enqueue(failed)
+            await store.fail(failed.reference_id, "The uploaded image is no longer available.")
+            failed = await store.get(failed.reference_id) or failed
+            originals = [search, age, failed]
+            # Within the hot window nothing is due.
+            assert await archive_finished(store, archive, hot_window_s=60) == ArchiveReport(0, 0, 0)
+
+            # A write that fails leaves every Redis copy in place.
+            blobs.fail = True
+            blobs.proceed.set()
+            with pytest.raises(OSError):
+                await archive_finished(store, archive, hot_window_s=0)
+            for tx in originals:
+                assert await store.get(tx.reference_id) == tx
+
+            # The archiver pauses inside its first write: the result reads from Redis meanwhile.
+            blobs.fail = False
+            blobs.proceed.clear()
+            blobs.writing.clear()
+            mover = asyncio.create_task(archive_finished(store, archive, hot_window_s=0))
+            await blobs.writing.wait()
+            assert await service.get_for_tenant(TENANT, search.reference_id) == search
+            blobs.proceed.set()
+            report = await mover
+            assert (report.archived, report.dropped, report.expired) == (3, 3, 0)
+
+            # Gone from Redis (hash and to-do entry), read from the archive exactly as stored before.
+            assert await redis.keys(f"{store._prefix}txn:*") == []
+            assert await redis.xlen(f"{store._prefix}sys:tx-finished") == 0
+            for tx in originals:
+                assert await store.get(tx.reference_id) is None
+                assert await service.get_for_tenant(TENANT, tx.reference_id) == tx
+            with pytest.raises(Exception, match="reference_id"):
+                await service.get_for_tenant("cl_" + "b" * 24, search.reference_id)  # another tenant's
+        finally:
+            await redis.aclose()
+
+    run(scenario())
+
+
+def test_an_archived_result_ends_with_its_retention(redis_url: str, tmp_path: Path) -> None:
+    async def scenario() -> None:
+        redis = connect_redis(redis_url)
+        store, _ = stores(redis, tmp_path, archive_after_s=1)
+        now = [time.time()]
+        blobs = LocalBlobStore(tmp_path / "results")
+        archive = BlobResultArchive(blobs, retention_s=100, clock=lambda: now[0])
+        try:
+            tx = await finished(store, new_tx(), SEARCH)
+            await archive_finished(store, archive, hot_window_s=0)
+            assert await archive.get(tx.reference_id) == tx
+            now[0] = tx.updated_at + 101  # past the retention: gone, even before a sweep deletes the file
+            assert await archive.get(tx.reference_id) is None
+            assert await blobs.get(archive_key(tx.reference_id)) is not None
+            assert await archive.sweep(archived_after_s=0) == 0  # the file is younger than 100 s
+            for path in (tmp_path / "results").rglob("*"):
+                if path.is_file():
+                    os.utime(path, (time.time() - 101, time.time() - 101))
+            assert await archive.sweep(archived_after_s=0) == 1
+            assert await blobs.get(archive_key(tx.reference_id)) is None
+        finally:
+            await redis.aclose()
+
+    run(scenario())
+
+
+def test_one_archiver_at_a_time_and_a_dead_holder_loses_the_lease(redis_url: str, tmp_path: Path) -> None:
+    async def scenario() -> None:
+        redis = connect_redis(redis_url)
+        store, archive = stores(redis, tmp_path, archive_after_s=1)
+        lease = RedisLease(redis, "result-archive", store._prefix)
+        first = ResultArchiver(store, archive, lease, hot_window_s=0, every_s=0.1)
+        second = ResultArchiver(store, archive, lease, hot_window_s=0, every_s=0.1)
+        try:
+            await finished(store, new_tx(TransactionKind.AGE_ESTIMATION), AGE)
+            report = await first.run_once("worker-1")
+            assert report is not None and report.dropped == 1
+            assert await second.run_once("worker-2") is None  # worker-1 holds it
+            assert await first.run_once("worker-1") is not None  # and keeps it
+            await asyncio.sleep(0.4)  # worker-1 stopped renewing (3 periods)
+            assert await second.run_once("worker-2") is not None
+        finally:
+            await redis.aclose()
+
+    run(scenario())
+
+
+def test_an_erasure_tombstone_is_kept_hashed_and_expires(redis_url: str) -> None:
+    async def scenario() -> None:
+        redis = connect_redis(redis_url)
+        prefix = f"e{uuid.uuid4().hex[:8]}:"
+        records = RedisFaceRecordStore(redis, prefix=prefix, erasure_ttl_s=100)
+        try:
+            assert await records.erased_at(TENANT, "customer-0004") is None
+            await records.mark_erased(TENANT, "customer-0004", 1_800_000_000.25)
+            assert await records.erased_at(TENANT, "customer-0004") == 1_800_000_000.25
+            assert await records.erased_at("cl_" + "b" * 24, "customer-0004") is None
+            [key] = [text(key) for key in await redis.keys(f"{prefix}*")]
+            assert "customer-0004" not in key and "customer-0004" not in text(await redis.get(key))
+            assert 0 < await redis.ttl(key) <= 100
+        finally:
+            await redis.aclose()
+
+    run(scenario())
+
+
+def test_quality_reports_still_round_trip(redis_url: str, tmp_path: Path) -> None:
+    async def scenario() -> None:
+        redis = connect_redis(redis_url)
+        store, archive = stores(redis, tmp_path, archive_after_s=1)
+        quality = QualityReport(("blurry",), 80.5, 0.912, 12.3, 0.05, 0.4, -3.5)
+        outcome = FaceSearchOutcome(True, MATCHES[:2], probe_quality=quality, unindexed_faces=(quality,))
+        try:
+            tx = await finished(store, new_tx(), outcome)
+            assert tx.result == outcome
+            await archive_finished(store, archive, hot_window_s=0)
+            assert await archive.get(tx.reference_id) == tx
+        finally:
+            await redis.aclose()
+
+    run(scenario())
