@@ -764,7 +764,7 @@ def test_a_transaction_given_up_after_its_face_was_enrolled_leaves_nothing_and_a
         # The client reads `failed` and submits again: the person is enrolled once, and matches nobody.
         retry = await submit_search(world, RED)
         await world.processor().process(retry.reference_id)
-        assert matched(world, retry) == []
+        assert await matched(world, retry) == []
         assert world.gallery.face_ids() == {enrolled_face_id(retry.reference_id)}
 
     asyncio.run(scenario())
