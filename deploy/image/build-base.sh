@@ -22,6 +22,7 @@ while [ $# -gt 0 ]; do
         --mirror) mirror="$2"; shift 2 ;;
         --extra-ca-certs) ca_dir="$2"; shift 2 ;;
         --if-missing) if_missing=1; shift ;;
+        -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "unknown option $1 (see the comment at the top of $0)" >&2; exit 2 ;;
     esac
 done

@@ -21,6 +21,7 @@ while [ $# -gt 0 ]; do
         --base) base="$2"; shift 2 ;;
         --tag) tag="$2"; shift 2 ;;
         --) shift; break ;;
+        -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "unknown option $1 (see the comment at the top of $0)" >&2; exit 2 ;;
     esac
 done
