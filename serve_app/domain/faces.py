@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass
 
 import numpy as np
-
-
-def new_face_id() -> str:
-    return uuid.uuid4().hex
 
 
 @dataclass(frozen=True)
@@ -25,6 +20,13 @@ class FaceRecord:
     reference_id: str  # the transaction that enrolled it
     # An override's record names the face it replaces, so a retry after a crash finishes that removal.
     replaces: str | None = None
+
+    @property
+    def lock_subject(self) -> str:
+        """What writers of this face serialise on (FaceRecordStore.reference_lock): its client_reference,
+        whose enrolments, overrides and erasures take the same lock, or, for a face enrolled without one,
+        the face itself, in a form no client_reference can take (references refuse control characters)."""
+        return self.client_reference if self.client_reference is not None else f"\x00face:{self.face_id}"
 
 
 @dataclass(frozen=True)

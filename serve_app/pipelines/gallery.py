@@ -137,15 +137,14 @@ class GalleryService:
         record = await self._records.get(tenant_id, face_id)
         if record is None:
             raise NotFound("No enrolled face has this face_id.")
-        if record.client_reference is not None:
-            async with self._records.reference_lock(tenant_id, record.client_reference, self._lock_timeout_s):
-                # Re-read under the lock: an erasure may have removed it meanwhile.
-                current = await self._records.get(tenant_id, face_id)
-                if current is None:
-                    raise NotFound("No enrolled face has this face_id.")
-                await self._remove([current])
-        else:
-            await self._remove([record])
+        # Under the lock a re-index of the face takes too (and, for a face with a client_reference, every
+        # enrolment and erasure of it), so none of them writes the face back after it was removed.
+        async with self._records.reference_lock(tenant_id, record.lock_subject, self._lock_timeout_s):
+            # Re-read under the lock: an erasure may have removed it meanwhile.
+            current = await self._records.get(tenant_id, face_id)
+            if current is None:
+                raise NotFound("No enrolled face has this face_id.")
+            await self._remove([current])
         await self._audit.append(
             tenant_id,
             AuditEntry(
