@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 
 from serve_app.domain.identifiers import new_reference_id as new_reference_id  # re-exported
@@ -47,4 +47,3 @@ class Transaction:
     # when the result is read, not stored, because each URL expires 15 minutes after it is issued.
     result: Outcome | None = None
     error: str | None = None
-    extra: dict[str, str] = field(default_factory=dict)

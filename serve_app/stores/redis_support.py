@@ -1,14 +1,13 @@
 """Redis client construction and error translation shared by the redis_* stores.
 
-Callers above the stores never see redis-py exceptions: every redis call runs inside `redis_errors()` (or
-a method decorated with `translate_redis_errors`), which turns them into BackendUnavailable.
+Callers above the stores never see redis-py exceptions: every redis call runs inside `redis_errors()`,
+which turns them into BackendUnavailable.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
@@ -216,16 +215,3 @@ async def redis_errors() -> AsyncIterator[None]:
         yield
     except (redis_exceptions.RedisError, OSError) as error:
         raise to_backend_unavailable(error) from error
-
-
-def translate_redis_errors(method: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
-    """Decorator form of redis_errors() for async store methods."""
-
-    @functools.wraps(method)
-    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
-        try:
-            return await method(*args, **kwargs)
-        except (redis_exceptions.RedisError, OSError) as error:
-            raise to_backend_unavailable(error) from error
-
-    return wrapper

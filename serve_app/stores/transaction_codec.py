@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 
 from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState, upload_key
@@ -29,8 +28,6 @@ def encode_transaction(tx: Transaction) -> dict[str, str]:
         fields["allow_override"] = "1"
     if tx.attempts:
         fields["attempts"] = str(tx.attempts)
-    if tx.extra:
-        fields["extra"] = json.dumps(tx.extra)
     # Absent fields stand for None.
     if tx.client_reference is not None:
         fields["client_reference"] = tx.client_reference
@@ -59,5 +56,4 @@ def decode_transaction(reference_id: str, fields: Mapping[str, str]) -> Transact
         attempts=int(fields.get("attempts", "0")),
         result=outcome_from_fields(kind, fields),
         error=fields.get("error"),
-        extra=json.loads(fields.get("extra") or "{}"),
     )

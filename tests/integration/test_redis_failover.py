@@ -145,7 +145,7 @@ def make_tx() -> Transaction:
         reference_id=new_reference_id(), tenant_id="tenant-a", kind=TransactionKind.FACE_SEARCH,
         state=TransactionState.QUEUED, created_at=now, updated_at=now,
         image_key=f"uploads/{uuid.uuid4().hex}", enroll_face=True, allow_override=False,
-        client_reference=None, extra={},
+        client_reference=None,
     )  # fmt: skip
 
 
