@@ -17,7 +17,7 @@ import os
 import secrets
 import sys
 from pathlib import Path
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, StrictFloat, StrictInt, field_validator
 from pydantic.fields import FieldInfo
@@ -94,6 +94,18 @@ class MilvusSettings(_Group):
         default_factory=dict,
         description="JSON, search parameters of the large index (`nprobe` for IVF_FLAT, `ef` for HNSW); "
         'defaults: `{"nprobe": 32, "ef": 128}`',
+    )
+    consistency_level: Literal["Strong", "Bounded", "Session", "Eventually"] = Field(
+        "Strong",
+        description="of searches: `Strong` makes a face searchable as soon as its enrolment is answered (a "
+        "Milvus server adds up to one time tick, ~200 ms, per search); `Bounded` skips that wait and a new "
+        'face becomes searchable within the server\'s gracefulTime (5 s by default); see "Milvus at scale"',
+    )
+    index_switch_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="bound on building the large index at the switch (and again on loading it); one "
+        "replica at a time switches, under a Redis lease",
     )
 
     @field_validator("large_index")
