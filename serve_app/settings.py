@@ -82,7 +82,9 @@ class MilvusSettings(_Group):
         'it switches the collection to the large index (see "Milvus at scale")',
     )
     large_index: str = Field(
-        "", description="`IVF_FLAT` or `HNSW`; unset: HNSW on a Milvus server, FLAT kept on milvus-lite"
+        "",
+        description="`IVF_FLAT`, `IVF_SQ8` or `HNSW`; unset: HNSW on a Milvus server, FLAT kept on "
+        "milvus-lite",
     )
     # JSON objects of numbers in the environment; strict, so a quoted number or a boolean stops start-up.
     index_params: dict[str, StrictInt | StrictFloat] = Field(
@@ -92,7 +94,8 @@ class MilvusSettings(_Group):
     )
     search_params: dict[str, StrictInt | StrictFloat] = Field(
         default_factory=dict,
-        description="JSON, search parameters of the large index (`nprobe` for IVF_FLAT, `ef` for HNSW); "
+        description="JSON, search parameters of the large index (`nprobe` for IVF_FLAT / IVF_SQ8, `ef` for "
+        "HNSW); "
         'defaults: `{"nprobe": 32, "ef": 128}`',
     )
     consistency_level: Literal["Strong", "Bounded", "Session", "Eventually"] = Field(
