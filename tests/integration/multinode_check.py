@@ -20,6 +20,7 @@ Processes are not stopped here: the test removes both namespaces with everything
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import os
@@ -37,6 +38,7 @@ from typing import Any
 import httpx
 import yaml
 
+from models.convert import default_models_dir
 from serve_app.deploy_config import parse_serve_config
 from serve_app.embedded import EmbeddedRedis
 from tests.faces_dev import load_faces_dev
@@ -64,6 +66,7 @@ def ray_env(work: Path, token: str) -> dict[str, str]:
     env.update(
         {
             "HOME": str(work / "home"),  # no ~/.ray/auth_token of the machine's user
+            "FACESEARCH_MODELS_DIR": str(default_models_dir()),  # the converted models, found via HOME
             "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN": token,
             "RAY_USAGE_STATS_ENABLED": "0",
@@ -189,10 +192,31 @@ def comparable(body: dict[str, Any]) -> Any:
     return (body["http_status"], body.get("status"), body.get("message"))
 
 
+def diagnose(work: Path, token: str) -> None:
+    """On failure: what Serve says, and the end of the controller's and the replicas' logs."""
+    with contextlib.suppress(Exception):
+        response = httpx.get(f"{DASHBOARD}/api/serve/applications/", headers=auth(token), timeout=10)
+        log(f"serve applications: {response.text[-4000:]}")
+    for pattern in (
+        "ray-a/session_latest/logs/serve/controller_*.log",
+        "ray-*/session_latest/logs/serve/replica_*",
+    ):
+        for path in sorted(work.glob(pattern))[-3:]:
+            log(f"--- {path}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-40:]))
+
+
 def main(argv: list[str]) -> int:
-    work, namespace_b = Path(argv[0]), argv[1]
-    (work / "home").mkdir(parents=True, exist_ok=True)
+    work = Path(argv[0])
     token = secrets.token_hex(32)
+    try:
+        return scenario(work, argv[1], token)
+    except BaseException:
+        diagnose(work, token)
+        raise
+
+
+def scenario(work: Path, namespace_b: str, token: str) -> int:
+    (work / "home").mkdir(parents=True, exist_ok=True)
     env = ray_env(work, token)
     started = time.monotonic()
 
@@ -267,14 +291,14 @@ def main(argv: list[str]) -> int:
             requests.append(functools.partial(age_estimation, http, access, crop, enroll_face=0))
         requests = requests * 2
 
-        def send_all(on_sent: Callable[[int], None] | None = None) -> list[str | None]:
+        def send_all(on_sent: Callable[[list[str | None]], None] | None = None) -> list[str | None]:
             references: list[str | None] = []
-            for index, request in enumerate(requests):
+            for request in requests:
                 response = request()
                 ok = response.status_code == 200 and response.json().get("status") is True
                 references.append(str(response.json()["result"]["data"]["reference_id"]) if ok else None)
                 if on_sent is not None:
-                    on_sent(index + 1)
+                    on_sent(references)
                 time.sleep(0.05)
             return references
 
@@ -283,7 +307,13 @@ def main(argv: list[str]) -> int:
         baseline = [comparable(final(http, access, ref, 180)) for ref in baseline_refs if ref]
         log(f"undisturbed run: {len(baseline)} transactions final ({time.monotonic() - started:.1f} s)")
 
+        def is_final(ref: str) -> bool:
+            answer = http.post("/result", headers=auth(access), json={"reference_id": ref})
+            return answer.status_code != 202
+
         killed_at: list[float] = []
+        unfinished_at_kill: list[int] = []
+        sent_before_kill: list[int] = []
         restarted = threading.Event()
 
         def restart_later() -> None:
@@ -291,12 +321,19 @@ def main(argv: list[str]) -> int:
             start_node_b(work, env, namespace_b)
             restarted.set()
 
-        def on_sent(count: int) -> None:
-            if not killed_at and count >= len(requests) * KILL_AFTER:
+        def on_sent(references: list[str | None]) -> None:
+            if not killed_at and len(references) >= len(requests) * KILL_AFTER:
                 killed = kill_namespace(namespace_b)
                 killed_at.append(time.monotonic())
-                log(f"killed {killed} processes of node B after {count} of {len(requests)} requests")
                 threading.Thread(target=restart_later, daemon=True).start()
+                # Those not final yet were queued or on the killed replica: the kill hit work in flight.
+                unfinished = [ref for ref in references if ref and not is_final(ref)]
+                unfinished_at_kill.append(len(unfinished))
+                sent_before_kill.append(len(references))
+                log(
+                    f"killed {killed} processes of node B after {len(references)} of {len(requests)} "
+                    f"requests; {len(unfinished)} of them not final"
+                )
 
         burst_refs = send_all(on_sent)
         accepted = [ref for ref in burst_refs if ref]
@@ -318,6 +355,8 @@ def main(argv: list[str]) -> int:
             "completed": sum(1 for outcome in outcomes if outcome is not None),
             "same_as_undisturbed": same,
             "lost": lost,
+            "unfinished_when_killed": unfinished_at_kill[0],
+            "sent_after_the_kill": len(requests) - sent_before_kill[0],
             "replica_back_on_node_b": True,
             "seconds": round(time.monotonic() - started, 1),
         }

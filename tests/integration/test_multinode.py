@@ -51,3 +51,4 @@ def test_worker_node_lost_mid_burst_loses_nothing() -> None:
     print(output)
     assert summary["accepted"] == summary["sent"] == summary["completed"] == summary["same_as_undisturbed"]
     assert summary["lost"] == 0 and summary["replica_back_on_node_b"] is True
+    assert summary["sent_after_the_kill"] > 0  # those needed the node that came back
