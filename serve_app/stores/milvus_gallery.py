@@ -15,7 +15,7 @@
 - Every call has a deadline: pymilvus otherwise retries some failures up to 75 times (minutes).
 - Tenant as partition key: a collection created on a Milvus server marks tenant_id as the partition key,
   so the tenant filter every search carries prunes the search to the partitions holding that tenant
-  (tenants are hashed over the collection's partitions, 16 by default). milvus-lite 2.5.1 has no
+  (tenants are hashed over the collection's partitions, 64 on Milvus 2.3.5). milvus-lite 2.5.1 has no
   partitions: it accepts the schema flag but then rejects every filter ("Invalid expr"), so a throwaway
   probe collection decides once per process, and lite collections keep the plain layout. A collection
   created before this layout existed (no partition key) is read and written as it is; the README's
@@ -271,7 +271,7 @@ class MilvusGalleryStore:
 
     def _is_lite(self, client: Any) -> bool:
         """Whether the server is milvus-lite, told by behaviour rather than by version strings: a
-        partition-key collection there reports no partitions (a server reports 16 by default)."""
+        partition-key collection there reports no partitions (a server reports its default, 64 on 2.3.5)."""
         if self._lite is None:
             probe = f"probe_{uuid.uuid4().hex[:12]}"
             self._create_collection(client, probe, partitioned=True)
