@@ -1,35 +1,49 @@
 """1:N search on the gallery at 1 M and 10 M faces: latency, recall@10 against exact search, memory.
 
-    python -m bench.vector_search [--sizes 1000000 10000000] [--queries 200] [--flat-max-rows N]
-                                  [--nprobe 16 32 64] [--skip-flat] [--data-dir DIR]
+    python -m bench.vector_search [--backend lite|server] [--sizes 1000000 10000000] [--queries 200]
+                                  [--indexes HNSW IVF_SQ8 IVF_FLAT] [--nprobe 16 32 64] [--ef 64 128]
+                                  [--small-share 0.01] [--consistency Bounded] [--flat-max-rows N]
+                                  [--skip-flat] [--data-dir DIR]
+
+Backends: `lite` is milvus-lite 2.5.1 (the default install; its IVF_FLAT ignores nprobe and it has no
+HNSW); `server` is the standalone Milvus 2.3.5 of the `milvus` wheel (a dev dependency), started in a
+network namespace of its own (tests/milvus_server.py; needs root), where HNSW, IVF_SQ8, nprobe and the
+tenant partition key are real. On the server the rows are searched at --consistency (default Bounded;
+the service's default Strong waits for a time tick, ~200 ms a search: one extra row per index shows it).
 
 Data: 256-d unit vectors (face model v2's dimension) from a fixed seed, clustered like a face gallery:
 every chunk of 10,000 rows is 2,000 people with 5 photos each (a random unit centre per person plus
-noise giving a same-person cosine of about 0.7; different people are near orthogonal). 99 % of the rows
-belong to one tenant, 1 % (every 100th chunk) to a small tenant. Queries are new photos (fresh noise) of
+noise giving a same-person cosine of about 0.7; different people are near orthogonal). A share of the
+chunks (--small-share, 1 % by default: every 100th chunk) belongs to a small tenant, the rest to one big
+tenant. Queries are new photos (fresh noise) of
 enrolled people, half of each tenant. Exact top 10 is computed in numpy chunk by chunk while inserting, so
 the bench never holds the whole gallery in memory (10 M x 256 floats is 10 GB).
 
 Inserts go through MilvusGalleryStore (the service's code path) under exact FLAT search; unless
---skip-flat the queries are timed on it. Then a store with an index policy naming IVF_FLAT (the service's
-default keeps FLAT on milvus-lite, whose IVF_FLAT ignores nprobe) opens the collection, finds it past
---flat-max-rows and switches it, as the insert crossing the threshold would; the queries are timed again
-once per --nprobe value. Searches run one
-at a time, as the worker does, after 10 untimed warm-up queries. Memory: the RSS of the milvus-lite server
-process (with FLAT, then with IVF_FLAT) and the size of its data directory. One server per size. Cores
-may be shared: compare rows of one run.
+--skip-flat the queries are timed on it. Then a store with an index policy naming the first of --indexes
+opens the collection, finds it past --flat-max-rows and switches it (flush, release, drop, build, load),
+as the insert crossing the threshold would; the queries are timed once per --nprobe (IVF) or --ef (HNSW)
+value. Each further index replaces the previous one the same way (build time measured likewise).
+Searches run one at a time, as the worker does, after 10 untimed warm-up queries. Memory: the RSS of
+the Milvus process once each index is loaded (the allocator may keep some of the previous index's
+pages: the first index's figure is the clean one) and the size of its data directory. One server per
+size. Cores may be shared: compare rows of one run.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
+import os
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -38,16 +52,23 @@ from models.embedder import FUSED_DIM
 from serve_app.domain.faces import GalleryEntry
 from serve_app.embedded import EmbeddedMilvus
 from serve_app.settings import MilvusSettings
-from serve_app.stores.milvus_gallery import IndexPolicy, MilvusGalleryStore
+from serve_app.stores.milvus_gallery import (
+    CONSISTENCY_LEVELS,
+    LARGE_INDEXES,
+    IndexPolicy,
+    MilvusGalleryStore,
+)
 
 DIM = FUSED_DIM  # face model v2
 CHUNK = 10_000
 PHOTOS_PER_PERSON = 5
 NOISE = 0.064  # per-dimension; |noise|^2 ~ 256 * 0.064^2 ~ 1.05, so same-person cosine ~ 0.7
-SMALL_EVERY = 100  # every 100th chunk is the small tenant's: 1 % of the rows
 BIG, SMALL = "tenant-big", "tenant-small"
 SEED = 20261123
 K = 10
+
+
+SMALL_EVERY = 100  # every 100th chunk is the small tenant's (1 % of the rows); --small-share sets it
 
 
 def chunk_tenant(index: int) -> str:
@@ -112,18 +133,28 @@ async def fill(store: MilvusGalleryStore, size: int, chunk: int, queries: list[Q
     return size / (time.perf_counter() - started)
 
 
-async def time_searches(store: MilvusGalleryStore, queries: Queries) -> tuple[list[float], float]:
-    """Latencies (ms, warm-up excluded) and mean recall@10 against the exact top 10."""
+MATCH_SIMILARITY = 0.5  # same-person photos score ~0.7, other people ~0 +- 0.06 with this generator
+
+
+async def time_searches(
+    store: MilvusGalleryStore, queries: Queries
+) -> tuple[list[float], tuple[float, float]]:
+    """Latencies (ms, warm-up excluded), mean recall@10 against the exact top 10, and the recall of the
+    exact top 10's matches alone (similarity >= MATCH_SIMILARITY: the same person's other photos)."""
     timings: list[float] = []
-    hits = 0
+    hits = matched = matches_total = 0
     for warm in queries.probes[:10]:
         await store.search(queries.tenant, warm, K, -1.0)
-    for probe, truth in zip(queries.probes, queries.best_ids, strict=True):
+    for probe, truth, scores in zip(queries.probes, queries.best_ids, queries.best_scores, strict=True):
         started = time.perf_counter()
         matches = await store.search(queries.tenant, probe, K, -1.0)
         timings.append((time.perf_counter() - started) * 1000)
-        hits += len({int(m.face_id[1:]) for m in matches} & {int(t) for t in truth})
-    return timings, hits / (K * len(queries.probes))
+        found = {int(m.face_id[1:]) for m in matches}
+        hits += len(found & {int(t) for t in truth})
+        same_person = {int(t) for t, score in zip(truth, scores, strict=True) if score >= MATCH_SIMILARITY}
+        matched += len(found & same_person)
+        matches_total += len(same_person)
+    return timings, (hits / (K * len(queries.probes)), matched / max(1, matches_total))
 
 
 def percentile(values: list[float], fraction: float) -> float:
@@ -144,26 +175,82 @@ def dir_mib(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
 
 
-async def bench_size(
-    server: EmbeddedMilvus, data_dir: Path, size: int, args: argparse.Namespace
-) -> list[list[str]]:
-    chunk = min(CHUNK, size // SMALL_EVERY)  # at least 100 chunks: the small tenant gets 1 %
+@dataclass
+class Server:
+    uri: str
+    pid: int | None
+    data_dir: Path
+    name: str
+
+
+@contextlib.contextmanager
+def milvus(backend: str, scratch: Path) -> Iterator[Server]:
+    """One fresh server per size: its RSS and data directory figures are that size's alone."""
+    if backend == "lite":
+        lite = EmbeddedMilvus(scratch)
+        lite.start()
+        try:
+            yield Server(lite.uri, lite.pid, scratch, "milvus-lite 2.5.1")
+        finally:
+            lite.stop()
+        return
+    from tests import netns
+    from tests.milvus_server import MilvusServerProcess
+
+    why = netns.available()
+    if why:
+        raise SystemExit(f"--backend server: {why}")
+    tag = os.getpid() % 250
+    link = netns.Link(None, f"fsbv{os.getpid() % 100000}", f"10.252.{tag}.1", f"10.252.{tag}.2", prefix=30)
+    link.create()
+    server = MilvusServerProcess(scratch, 19530, host=link.address_b, netns=link.b)
+    try:
+        server.start()
+        yield Server(server.uri, server.binary_pid, scratch, "Milvus 2.3.5 standalone (milvus wheel)")
+    finally:
+        server.stop()
+        link.teardown()
+
+
+def rebuild(uri: str, collection: str, index: str, params: dict[str, int]) -> None:
+    """Replace the collection's index (release, drop, build, load), as the store's switch does."""
+    from pymilvus import MilvusClient
+
+    client = MilvusClient(uri=uri, timeout=3600)
+    try:
+        client.release_collection(collection)
+        client.drop_index(collection, "embedding")
+        index_params = client.prepare_index_params()
+        index_params.add_index(field_name="embedding", index_type=index, metric_type="IP", params=params)
+        client.create_index(collection, index_params, timeout=3600)
+        client.load_collection(collection, timeout=3600)
+    finally:
+        client.close()
+
+
+async def bench_size(server: Server, size: int, args: argparse.Namespace) -> list[list[str]]:
+    chunk = min(CHUNK, size // SMALL_EVERY)  # at least SMALL_EVERY chunks: the small tenant gets its share
     chunks = size // chunk
     queries = [
         make_queries(BIG, [c for c in range(chunks) if chunk_tenant(c) == BIG], chunk, args.queries),
         make_queries(SMALL, [c for c in range(chunks) if chunk_tenant(c) == SMALL], chunk, args.queries),
     ]
     collection = f"bench_{size}"
+    common: dict[str, Any] = {
+        "collection": collection, "model_version": "bench", "dimension": DIM, "timeout_s": 600,
+        "consistency_level": args.consistency,
+    }  # fmt: skip
     # Filled under exact search: the switch to the large index is made once, at the end, as the
     # policy would when the next insert crosses the threshold.
-    store = MilvusGalleryStore(
-        server.uri, collection=collection, model_version="bench", dimension=DIM, timeout_s=600
-    )
+    store = MilvusGalleryStore(server.uri, **common)
     rows: list[list[str]] = []
+    notes: list[str] = []
 
-    def row(label: str, index: str, params: str, timings: list[float], recall: float) -> list[str]:
+    def row(
+        label: str, index: str, params: str, timings: list[float], recall: tuple[float, float]
+    ) -> list[str]:
         return [f"{size:,}", label, index, params, f"{statistics.median(timings):.1f}",
-                f"{percentile(timings, 0.95):.1f}", f"{recall:.4f}"]  # fmt: skip
+                f"{percentile(timings, 0.95):.1f}", f"{recall[0]:.4f}", f"{recall[1]:.4f}"]  # fmt: skip
 
     try:
         insert_rate = await fill(store, size, chunk, queries)
@@ -172,60 +259,67 @@ async def bench_size(
             for query in queries:
                 timings, recall = await time_searches(store, query)
                 rows.append(row(query.tenant, "FLAT", "-", timings, recall))
-        flat_rss = rss_mib(server.pid)
+        notes.append(f"insert {insert_rate:,.0f} rows/s; RSS {rss_mib(server.pid):,.0f} MiB with FLAT")
     finally:
         await store.close()
 
-    # IVF_FLAT named explicitly: the service's default keeps FLAT on milvus-lite (see IndexPolicy).
-    policy = IndexPolicy(flat_max_rows=min(args.flat_max_rows, size - 1), large_index="IVF_FLAT")
-    switched = MilvusGalleryStore(
-        server.uri,
-        collection=collection,
-        model_version="bench",
-        dimension=DIM,
-        timeout_s=600,
-        index_policy=policy,
-    )
-    started = time.perf_counter()
-    await switched.ensure_ready()  # finds the collection past its threshold and builds the index
-    build_s = time.perf_counter() - started
-    index = switched.index_type
-    await switched.close()
-    for nprobe in args.nprobe:
-        tuned = MilvusGalleryStore(
-            server.uri, collection=collection, model_version="bench", dimension=DIM, timeout_s=600,
-            index_policy=dataclasses.replace(policy, search_params={"nprobe": nprobe}),
-        )  # fmt: skip
-        try:
-            for query in queries:
-                timings, recall = await time_searches(tuned, query)
-                rows.append(row(query.tenant, index, f"nprobe={nprobe}", timings, recall))
-        finally:
-            await tuned.close()
-    print(
-        f"  N={size:,}: insert {insert_rate:,.0f} rows/s; {index} build {build_s:.0f} s; milvus-lite RSS "
-        f"{flat_rss:,.0f} MiB with FLAT, {rss_mib(server.pid):,.0f} MiB with {index}; data dir "
-        f"{dir_mib(data_dir):,.0f} MiB",
-        flush=True,
-    )
+    for position, index in enumerate(args.indexes):
+        policy = IndexPolicy(flat_max_rows=min(args.flat_max_rows, size - 1), large_index=index)
+        started = time.perf_counter()
+        if position == 0:
+            switched = MilvusGalleryStore(server.uri, index_policy=policy, **common)
+            await switched.ensure_ready()  # finds the collection past its threshold and switches it
+            assert switched.index_type == index, switched.index_type
+            await switched.close()
+        else:
+            build = {"HNSW": {"M": 16, "efConstruction": 200}}.get(index, {"nlist": 1024})
+            await asyncio.to_thread(rebuild, server.uri, store.collection, index, build)
+        build_s = time.perf_counter() - started
+        notes.append(f"{index}: build+load {build_s:.0f} s, RSS {rss_mib(server.pid):,.0f} MiB loaded")
+        print(f"  {notes[-1]}", flush=True)
+        key, values = ("ef", args.ef) if index == "HNSW" else ("nprobe", args.nprobe)
+        for value in values:
+            tuned = MilvusGalleryStore(
+                server.uri, index_policy=dataclasses.replace(policy, search_params={key: value}), **common
+            )
+            try:
+                for query in queries:
+                    timings, recall = await time_searches(tuned, query)
+                    rows.append(row(query.tenant, index, f"{key}={value}", timings, recall))
+            finally:
+                await tuned.close()
+        if args.consistency != "Strong":  # what the service's default consistency adds
+            strong = MilvusGalleryStore(
+                server.uri, index_policy=dataclasses.replace(policy, search_params={key: values[0]}),
+                **{**common, "consistency_level": "Strong"},
+            )  # fmt: skip
+            try:
+                short = dataclasses.replace(queries[0], probes=queries[0].probes[:60],
+                                            best_ids=queries[0].best_ids[:60],
+                                            best_scores=queries[0].best_scores[:60])  # fmt: skip
+                timings, recall = await time_searches(strong, short)
+                rows.append(row(BIG, index, f"{key}={values[0]}, Strong", timings, recall))
+            finally:
+                await strong.close()
+    notes.append(f"data dir {dir_mib(server.data_dir):,.0f} MiB")
+    print(f"  N={size:,}: " + "; ".join(notes), flush=True)
     return rows
 
 
 async def main_async(args: argparse.Namespace) -> None:
     rows: list[list[str]] = []
+    name = ""
     for size in args.sizes:
-        with tempfile.TemporaryDirectory(prefix="bench-milvus-", dir=args.data_dir) as scratch:
-            # One server per size: the RSS and data directory figures are that size's alone.
-            server = EmbeddedMilvus(Path(scratch))
-            server.start()
-            try:
-                rows += await bench_size(server, Path(scratch), size, args)
-            finally:
-                server.stop()
-    header = ["N", "searched tenant", "index", "search", "p50 ms", "p95 ms", "recall@10"]
+        with (
+            tempfile.TemporaryDirectory(prefix="bench-milvus-", dir=args.data_dir) as scratch,
+            milvus(args.backend, Path(scratch)) as server,
+        ):
+            name = server.name
+            rows += await bench_size(server, size, args)
+    header = ["N", "searched tenant", "index", "search", "p50 ms", "p95 ms", "recall@10", "match recall"]
     print(
-        f"\nmilvus-lite 2.5.1, {DIM}-d clustered unit vectors, IP, top {K}, "
-        f"{args.queries} queries per row, one at a time"
+        f"\n{name}, {DIM}-d clustered unit vectors, IP, top {K}, {args.queries} queries per row, one at a "
+        f"time, consistency {args.consistency}; small tenant {1 / SMALL_EVERY:.1%} of the rows"
     )
     print(format_table(header, rows))
 
@@ -234,15 +328,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--backend", choices=["lite", "server"], default="lite")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000_000])
+    parser.add_argument(
+        "--indexes", nargs="+", choices=LARGE_INDEXES, default=None,
+        help="default: IVF_FLAT on lite (no HNSW there), HNSW IVF_SQ8 on a server",
+    )  # fmt: skip
+    parser.add_argument("--ef", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--small-share", type=float, default=0.01, help="the small tenant's share of rows")
+    parser.add_argument(
+        "--consistency", choices=CONSISTENCY_LEVELS, default=None,
+        help="of the timed searches; default Bounded on a server, Strong on lite",
+    )  # fmt: skip
     parser.add_argument("--queries", type=int, default=200)
     parser.add_argument("--flat-max-rows", type=int, default=MilvusSettings().flat_max_rows)
     parser.add_argument("--nprobe", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--skip-flat", action="store_true", help="skip the exact-search timings")
     parser.add_argument("--data-dir", type=Path, default=None, help="where the servers keep their data")
     args = parser.parse_args()
-    if any(size % min(CHUNK, size // SMALL_EVERY) or size < 10_000 for size in args.sizes):
-        parser.error(f"sizes must be at least 10,000 and multiples of {CHUNK} (or of 1 % of the size)")
+    global SMALL_EVERY
+    if not 0 < args.small_share <= 0.5:
+        parser.error("--small-share must be in (0, 0.5]")
+    SMALL_EVERY = round(1 / args.small_share)
+    server = args.backend == "server"
+    args.indexes = args.indexes or (["HNSW", "IVF_SQ8"] if server else ["IVF_FLAT"])
+    args.consistency = args.consistency or ("Bounded" if server else "Strong")
+    if any(size % min(CHUNK, size // SMALL_EVERY) or size < 100 * SMALL_EVERY for size in args.sizes):
+        parser.error(f"sizes must be multiples of {CHUNK} (or of the small share of the size)")
     asyncio.run(main_async(args))
 
 

@@ -20,6 +20,7 @@ from serve_app.stores.milvus_gallery import IndexPolicy, MilvusGalleryStore
 from serve_app.stores.redis_admission import RedisRequestAdmission
 from serve_app.stores.redis_audit import RedisAuditLog
 from serve_app.stores.redis_clients import RedisClientStore
+from serve_app.stores.redis_leases import RedisLeases
 from serve_app.stores.redis_ratelimit import RedisRateLimiter
 from serve_app.stores.redis_records import RedisFaceRecordStore
 from serve_app.stores.redis_support import connect_redis
@@ -81,6 +82,13 @@ def gallery_store(settings: Settings) -> MilvusGalleryStore:
             build_params=dict(milvus.index_params),
             search_params=dict(milvus.search_params),
         ),
+        consistency_level=milvus.consistency_level,
+        # Its own small client: the lease is taken once per index switch, rarely.
+        switch_leases=RedisLeases(
+            connect_redis(require(settings.redis.url, "REDIS_URL"), max_connections=2),
+            prefix=settings.redis.key_prefix,
+        ),
+        switch_timeout_s=milvus.index_switch_timeout_s,
     )
 
 

@@ -18,7 +18,7 @@ import os
 import secrets
 import sys
 from pathlib import Path
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, StrictFloat, StrictInt, field_validator, model_validator
 from pydantic.fields import FieldInfo
@@ -83,7 +83,9 @@ class MilvusSettings(_Group):
         'it switches the collection to the large index (see "Milvus at scale")',
     )
     large_index: str = Field(
-        "", description="`IVF_FLAT` or `HNSW`; unset: HNSW on a Milvus server, FLAT kept on milvus-lite"
+        "",
+        description="`IVF_FLAT`, `IVF_SQ8` or `HNSW`; unset: HNSW on a Milvus server, FLAT kept on "
+        "milvus-lite",
     )
     # JSON objects of numbers in the environment; strict, so a quoted number or a boolean stops start-up.
     index_params: dict[str, StrictInt | StrictFloat] = Field(
@@ -93,8 +95,21 @@ class MilvusSettings(_Group):
     )
     search_params: dict[str, StrictInt | StrictFloat] = Field(
         default_factory=dict,
-        description="JSON, search parameters of the large index (`nprobe` for IVF_FLAT, `ef` for HNSW); "
+        description="JSON, search parameters of the large index (`nprobe` for IVF_FLAT / IVF_SQ8, `ef` for "
+        "HNSW); "
         'defaults: `{"nprobe": 32, "ef": 128}`',
+    )
+    consistency_level: Literal["Strong", "Bounded", "Session", "Eventually"] = Field(
+        "Strong",
+        description="of searches: `Strong` makes a face searchable as soon as its enrolment is answered (a "
+        "Milvus server adds up to one time tick, ~200 ms, per search); `Bounded` skips that wait and a new "
+        'face becomes searchable within the server\'s gracefulTime (5 s by default); see "Milvus at scale"',
+    )
+    index_switch_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="bound on building the large index at the switch (and again on loading it); one "
+        "replica at a time switches, under a Redis lease",
     )
 
     @field_validator("large_index")

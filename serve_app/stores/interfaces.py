@@ -8,6 +8,7 @@ cannot be reached, so callers never see redis/pymilvus exception types.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -156,6 +157,13 @@ class GalleryStore(Protocol):
     async def all_face_ids(self, tenant_id: str | None = None) -> set[tuple[str, str]]: ...
 
     async def count(self) -> int: ...
+
+
+class Leases(Protocol):
+    def try_hold(self, name: str, ttl_s: float) -> AbstractAsyncContextManager[bool]:
+        """Async context manager: one attempt, without waiting, to take the cluster-wide lease `name` for
+        at most ttl_s; yields whether it was taken, and gives it back on exit. A holder that dies loses it
+        after ttl_s."""
 
 
 class BlobStore(Protocol):

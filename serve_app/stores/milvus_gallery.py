@@ -15,15 +15,26 @@
 - Every call has a deadline: pymilvus otherwise retries some failures up to 75 times (minutes).
 - Tenant as partition key: a collection created on a Milvus server marks tenant_id as the partition key,
   so the tenant filter every search carries prunes the search to the partitions holding that tenant
-  (tenants are hashed over the collection's partitions, 16 by default). milvus-lite 2.5.1 has no
+  (tenants are hashed over the collection's partitions, 64 on Milvus 2.3.5). milvus-lite 2.5.1 has no
   partitions: it accepts the schema flag but then rejects every filter ("Invalid expr"), so a throwaway
   probe collection decides once per process, and lite collections keep the plain layout. A collection
   created before this layout existed (no partition key) is read and written as it is; the README's
   "Milvus at scale" section gives the migration.
 - Index by size (IndexPolicy): exact FLAT up to `flat_max_rows` rows, then HNSW on a Milvus server
   (or IVF_FLAT when configured; milvus-lite stays FLAT unless IVF_FLAT is asked for explicitly). The
-  replica whose insert crosses the threshold rebuilds the index (release, drop, create, load);
-  searches meanwhile fail as BackendUnavailable ("not loaded") and are retried.
+  replica whose insert crosses the threshold rebuilds the index (release, drop, create, load) while it
+  holds a cluster-wide lease (interfaces.Leases, in Redis), so of many replicas crossing it together one
+  rebuilds and the others carry on inserting; the rebuild is bounded (`switch_timeout_s` for the build,
+  and again for the load; past it the collection goes back to FLAT and a later insert tries again).
+  Searches meanwhile fail as BackendUnavailable ("not loaded") and are retried.
+- Adding is delete-then-insert, never `upsert`: Milvus 2.3.5's upsert writes rows of a partition-key
+  collection into the wrong partitions (a tenant filter then misses them; fixed upstream later), and an
+  upsert is a delete plus an insert inside the server anyway, no more atomic than this.
+- Consistency (`consistency_level`, "Strong" by default): a search sees every write acknowledged before it
+  started, on every replica, so an enrolled face is searchable as soon as its enrolment is answered. On a
+  Milvus server that costs up to one time tick per search (~200 ms at the default
+  proxy.timeTickInterval); "Bounded" drops it, and a new face then becomes searchable within the
+  server's gracefulTime (5 s by default). See the README's "Milvus at scale".
   Search parameters carry the keys of every index family, so a replica that has not yet noticed the
   switch still searches the new index with the configured nprobe / ef.
 """
@@ -44,6 +55,7 @@ import numpy as np
 
 from serve_app.domain.errors import BackendRejected, BackendUnavailable
 from serve_app.domain.faces import GalleryEntry, GalleryMatch
+from serve_app.stores.interfaces import Leases
 
 logger = logging.getLogger(__name__)
 
@@ -82,10 +94,12 @@ def _checked_id(value: str, what: str) -> str:
 # with bench/vector_search.py against a Milvus server). A policy's own parameters override these key by key.
 _BUILD_PARAMS: dict[str, dict[str, int]] = {
     "IVF_FLAT": {"nlist": 1024},
+    "IVF_SQ8": {"nlist": 1024},  # IVF with 8-bit scalar-quantised vectors: ~1/4 of IVF_FLAT's memory
     "HNSW": {"M": 16, "efConstruction": 200},
 }
 _SEARCH_PARAMS: dict[str, int] = {"nprobe": 32, "ef": 128}
-LARGE_INDEXES = ("IVF_FLAT", "HNSW")
+LARGE_INDEXES = ("IVF_FLAT", "IVF_SQ8", "HNSW")
+CONSISTENCY_LEVELS = ("Strong", "Bounded", "Session", "Eventually")
 _TRANSIENT_WORDS = (
     "connect",
     "UNAVAILABLE",
@@ -101,7 +115,7 @@ _TRANSIENT_WORDS = (
 class IndexPolicy:
     """Exact search up to `flat_max_rows` rows, then the approximate `large_index`.
 
-    large_index: IVF_FLAT or HNSW; "" picks HNSW on a Milvus server and keeps FLAT on milvus-lite (no
+    large_index: IVF_FLAT, IVF_SQ8 or HNSW; "" picks HNSW on a Milvus server and keeps FLAT on milvus-lite (no
     HNSW there, and its IVF_FLAT ignores nprobe). build_params / search_params override the defaults
     above, key by key."""
 
@@ -129,6 +143,9 @@ class MilvusGalleryStore:
         timeout_s: float = 10.0,
         index_policy: IndexPolicy | None = None,
         partition_key: bool = True,
+        consistency_level: str = "Strong",
+        switch_leases: Leases | None = None,
+        switch_timeout_s: float = 1800.0,
     ) -> None:
         """index_policy None: exact FLAT search at any size. partition_key: create new collections with
         tenant_id as partition key where the server supports it (an existing collection keeps its
@@ -142,6 +159,11 @@ class MilvusGalleryStore:
         self._token = token
         self._timeout_s = timeout_s
         self._policy = index_policy
+        if consistency_level not in CONSISTENCY_LEVELS:
+            raise ValueError(f"consistency_level must be one of {CONSISTENCY_LEVELS}")
+        self._consistency = consistency_level
+        self._leases = switch_leases
+        self._switch_timeout_s = switch_timeout_s
         self._want_partition_key = partition_key
         self._index_type = "FLAT"  # the collection's actual index, learnt when it is prepared
         self._partitioned = False  # whether the collection's tenant_id is its partition key
@@ -229,8 +251,7 @@ class MilvusGalleryStore:
             # A switch of index interrupted between drop and create: build the one the size calls for.
             self._build_index(client, self._wanted_index(client, self._rows_seen))
         client.load_collection(self._collection, timeout=timeout)
-        if self._index_type == "FLAT":
-            self._apply_policy(client, self._rows_seen)
+        # A FLAT collection already past the threshold switches through _switch_if_due (under the lease).
 
     def _create_collection(self, client: Any, name: str, *, partitioned: bool) -> None:
         from pymilvus import DataType
@@ -250,7 +271,7 @@ class MilvusGalleryStore:
 
     def _is_lite(self, client: Any) -> bool:
         """Whether the server is milvus-lite, told by behaviour rather than by version strings: a
-        partition-key collection there reports no partitions (a server reports 16 by default)."""
+        partition-key collection there reports no partitions (a server reports its default, 64 on 2.3.5)."""
         if self._lite is None:
             probe = f"probe_{uuid.uuid4().hex[:12]}"
             self._create_collection(client, probe, partitioned=True)
@@ -284,8 +305,8 @@ class MilvusGalleryStore:
             params.update({key: value for key, value in self._policy.build_params.items() if key in params})
         index_params = client.prepare_index_params()
         index_params.add_index(field_name="embedding", index_type=index_type, metric_type="IP", params=params)
-        # Building reads the whole collection: no short deadline (minutes at 10M rows).
-        client.create_index(self._collection, index_params, timeout=None)
+        # Building reads the whole collection: a long deadline (minutes at 10M rows), but a deadline.
+        client.create_index(self._collection, index_params, timeout=self._switch_timeout_s)
         self._index_type = index_type
         logger.info("Milvus collection %s: index %s %s", self._collection, index_type, params)
 
@@ -302,6 +323,10 @@ class MilvusGalleryStore:
             self._index_type = str(current["index_type"])  # another replica switched it already
             return
         logger.info("Milvus collection %s: %d rows, switching FLAT -> %s", self._collection, rows, wanted)
+        if not self._is_lite(client):
+            # Seal what is still in growing segments, so the new index covers every row (a server searches
+            # growing segments by brute force until they are sealed and indexed).
+            client.flush(self._collection, timeout=self._switch_timeout_s)
         client.release_collection(self._collection, timeout=self._timeout_s)
         try:
             client.drop_index(self._collection, "embedding", timeout=self._timeout_s)
@@ -311,7 +336,7 @@ class MilvusGalleryStore:
                 self._build_index(client, "FLAT")  # stay searchable; the failure still surfaces
                 raise
         finally:
-            client.load_collection(self._collection, timeout=None)
+            client.load_collection(self._collection, timeout=self._switch_timeout_s)
 
     def _search_params(self) -> dict[str, Any]:
         # Keys of every family: a FLAT search ignores them, and a replica that missed a switch still
@@ -327,6 +352,11 @@ class MilvusGalleryStore:
         return self._index_type
 
     @property
+    def collection(self) -> str:
+        """The collection's name (the configured prefix and the model version)."""
+        return self._collection
+
+    @property
     def partitioned(self) -> bool:
         """Whether the collection's tenant_id is its partition key."""
         return self._partitioned
@@ -334,27 +364,53 @@ class MilvusGalleryStore:
     # -- GalleryStore -----------------------------------------------------------------------------------
 
     async def ensure_ready(self) -> None:
-        """Connect, create the collection and index if missing, load it. Other methods do this lazily."""
+        """Connect, create the collection and index if missing, load it, and switch its index if the
+        policy calls for it. Other methods connect lazily."""
         await self._run(lambda client: None)
+        await self._switch_if_due()
 
     async def add(self, entries: Sequence[GalleryEntry]) -> None:
-        """Upsert: adding a face_id again replaces its row (retries of an enrolment stay idempotent)."""
+        """Adding a face_id again replaces its row (retries of an enrolment stay idempotent)."""
         rows = [self._row(entry) for entry in entries]
         if not rows:
             return
 
-        def upsert(client: Any) -> None:
+        def replace(client: Any) -> None:
             for start in range(0, len(rows), _BATCH):
-                client.upsert(self._collection, rows[start : start + _BATCH], timeout=self._timeout_s)
-            self._rows_seen += len(rows)  # an upsert may replace rows: an upper bound, recounted below
-            policy = self._policy
-            due = policy is not None and self._rows_seen > policy.flat_max_rows
-            if due and self._index_type == "FLAT" and not self._stays_flat:
-                with self._init_lock:  # one switch per process at a time
-                    self._rows_seen = self._count(client)
-                    self._apply_policy(client, self._rows_seen)
+                batch = rows[start : start + _BATCH]
+                ids = ", ".join(milvus_string(row["face_id"]) for row in batch)
+                # Delete, then insert (see the module docstring: no upsert). Without a tenant condition:
+                # the primary key is unique across tenants.
+                client.delete(self._collection, filter=f"face_id in [{ids}]", timeout=self._timeout_s)
+                client.insert(self._collection, batch, timeout=self._timeout_s)
+            self._rows_seen += len(rows)  # a re-add replaces rows: an upper bound, recounted at the switch
 
-        await self._run(upsert)
+        await self._run(replace)
+        await self._switch_if_due()
+
+    async def _switch_if_due(self) -> None:
+        policy = self._policy
+        due = policy is not None and self._rows_seen > policy.flat_max_rows
+        if not due or self._index_type != "FLAT" or self._stays_flat:
+            return
+        if self._leases is None:
+            await self._run(self._recount_and_switch)
+            return
+        try:
+            # Build plus load, each bounded by switch_timeout_s: the lease outlives a live holder.
+            lease = self._leases.try_hold(f"milvus-index:{self._collection}", 2 * self._switch_timeout_s + 60)
+            async with lease as held:
+                if held:
+                    await self._run(self._recount_and_switch)
+                # Not held: another replica is switching; this one notices the new index when it sees it.
+        except BackendUnavailable as error:
+            # The rows are in; the next insert tries the switch again.
+            logger.warning("index switch of %s postponed: %s", self._collection, error)
+
+    def _recount_and_switch(self, client: Any) -> None:
+        with self._init_lock:  # one switch per process at a time
+            self._rows_seen = self._count(client)
+            self._apply_policy(client, self._rows_seen)
 
     def _checked_vector(self, embedding: np.ndarray) -> np.ndarray:
         vector = np.asarray(embedding, dtype=np.float32).reshape(-1)
@@ -395,7 +451,7 @@ class MilvusGalleryStore:
                 limit=min(limit, _MAX_TOPK),
                 output_fields=[],  # ids and distances only, never the vectors
                 search_params=self._search_params(),
-                consistency_level="Strong",
+                consistency_level=self._consistency,
                 timeout=self._timeout_s,
             )
             return list(result[0]) if result else []

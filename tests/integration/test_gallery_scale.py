@@ -1,20 +1,25 @@
-"""The gallery at scale, on a real milvus-lite server through the store interface: tenants never see each
-other's faces, and the index policy switches FLAT -> IVF_FLAT exactly past its threshold while search
-results stay those of exact search. (At this size milvus-lite searches its small segments exhaustively;
-the recall of IVF_FLAT on large collections is bench/vector_search.py's business.)"""
+"""The gallery at scale, on milvus-lite and on a Milvus server (the `gallery_backend` fixture) through the
+store interface: tenants never see each other's faces (on the server through the tenant partition key), and
+the index policy switches FLAT -> IVF_FLAT exactly past its threshold, one replica at a time, while search
+results stay those of exact search. (The recall of approximate indexes on large collections is
+bench/vector_search.py's business.)"""
 
 from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 from serve_app.domain.faces import GalleryEntry
-from serve_app.embedded import EmbeddedMilvus
+from serve_app.embedded import EmbeddedRedis
 from serve_app.stores.milvus_gallery import IndexPolicy, MilvusGalleryStore
+from serve_app.stores.redis_leases import RedisLeases
+from serve_app.stores.redis_support import connect_redis
+from tests.integration.conftest import GalleryBackend
 
 DIM = 32
 TENANTS = ("tenant-a", "tenant-b", "tenant-c")
@@ -23,13 +28,17 @@ NLIST = 16
 
 
 @pytest.fixture(scope="module")
-def milvus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedMilvus]:
-    server = EmbeddedMilvus(tmp_path_factory.mktemp("gallery-scale"))
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    server = EmbeddedRedis(tmp_path_factory.mktemp("gallery-scale-redis"))
     server.start()
     try:
-        yield server
+        yield server.url
     finally:
         server.stop()
+
+
+def fresh(name: str) -> str:
+    return f"{name}_{uuid.uuid4().hex[:8]}"
 
 
 def clustered(rng: np.random.Generator, count: int, centres: np.ndarray) -> np.ndarray:
@@ -44,7 +53,7 @@ def exact_top(vectors: np.ndarray, ids: list[str], probe: np.ndarray, k: int) ->
     return [ids[i] for i in np.argsort(-scores)[:k]]
 
 
-def test_tenants_never_mix_and_index_switches_at_threshold(milvus: EmbeddedMilvus) -> None:
+def test_tenants_never_mix_and_index_switches_at_threshold(gallery_backend: GalleryBackend) -> None:
     rng = np.random.default_rng(12)
     centres = rng.standard_normal((40, DIM)).astype(np.float32)
     # Every tenant draws from the same centres, and tenant-b holds exact twins of tenant-a's first
@@ -77,21 +86,26 @@ def test_tenants_never_mix_and_index_switches_at_threshold(milvus: EmbeddedMilvu
                 expected = float(vectors[ids.index(matches[0].face_id)] @ probe)
                 assert matches[0].similarity == pytest.approx(expected, abs=1e-4)
 
+    collection = fresh("scale")
+
     async def scenario() -> None:
         store = MilvusGalleryStore(
-            milvus.uri, collection="scale", model_version="v1", dimension=DIM, index_policy=policy
+            gallery_backend.uri, collection=collection, model_version="v1", dimension=DIM, index_policy=policy
         )
         try:
             for tenant, vectors in per_tenant.items():
                 await store.add(entries(tenant, vectors, 0))
             assert await store.count() == THRESHOLD
             assert store.index_type == "FLAT"  # at the threshold: still exact
-            # milvus-lite has no partitions; the store noticed and kept the plain layout.
-            assert store.partitioned is False
+            # milvus-lite has no partitions (the store noticed and kept the plain layout); a server's
+            # collection has tenant_id as its partition key.
+            assert store.partitioned is gallery_backend.server
             await check_search(store, per_tenant)
 
             # A second process (replica) that does not enforce the policy, opened before the switch.
-            bystander = MilvusGalleryStore(milvus.uri, collection="scale", model_version="v1", dimension=DIM)
+            bystander = MilvusGalleryStore(
+                gallery_backend.uri, collection=collection, model_version="v1", dimension=DIM
+            )
             await bystander.ensure_ready()
             assert bystander.index_type == "FLAT"
 
@@ -108,7 +122,11 @@ def test_tenants_never_mix_and_index_switches_at_threshold(milvus: EmbeddedMilvu
 
             # A store opened later sees the switched index; deleting below the threshold keeps it.
             reopened = MilvusGalleryStore(
-                milvus.uri, collection="scale", model_version="v1", dimension=DIM, index_policy=policy
+                gallery_backend.uri,
+                collection=collection,
+                model_version="v1",
+                dimension=DIM,
+                index_policy=policy,
             )
             await reopened.ensure_ready()
             assert reopened.index_type == "IVF_FLAT"
@@ -123,19 +141,23 @@ def test_tenants_never_mix_and_index_switches_at_threshold(milvus: EmbeddedMilvu
     asyncio.run(scenario())
 
 
-def test_existing_collection_without_partition_key_keeps_serving(milvus: EmbeddedMilvus) -> None:
+def test_existing_collection_without_partition_key_keeps_serving(gallery_backend: GalleryBackend) -> None:
     """A collection created without the partition key (the layout before it, or milvus-lite's) is read
     and written as it is by a store that would create new collections with one."""
     rng = np.random.default_rng(5)
     vectors = clustered(rng, 20, rng.standard_normal((4, DIM)).astype(np.float32))
 
+    collection = fresh("legacy")
+
     async def scenario() -> None:
         old = MilvusGalleryStore(
-            milvus.uri, collection="legacy", model_version="v1", dimension=DIM, partition_key=False
+            gallery_backend.uri, collection=collection, model_version="v1", dimension=DIM, partition_key=False
         )
         await old.add([GalleryEntry(f"old-{i}", "tenant-a", "v1", v, 0.0) for i, v in enumerate(vectors)])
         await old.close()
-        new = MilvusGalleryStore(milvus.uri, collection="legacy", model_version="v1", dimension=DIM)
+        new = MilvusGalleryStore(
+            gallery_backend.uri, collection=collection, model_version="v1", dimension=DIM
+        )
         try:
             await new.ensure_ready()
             assert new.partitioned is False
@@ -149,22 +171,83 @@ def test_existing_collection_without_partition_key_keeps_serving(milvus: Embedde
     asyncio.run(scenario())
 
 
-def test_default_policy_keeps_exact_search_on_milvus_lite(milvus: EmbeddedMilvus) -> None:
-    """Without an explicit large index, milvus-lite stays FLAT past the threshold: its IVF_FLAT ignores
-    nprobe, so switching would trade recall for speed without a way to buy recall back."""
+def test_default_policy_is_hnsw_on_a_server_and_exact_on_milvus_lite(gallery_backend: GalleryBackend) -> None:
+    """Without an explicit large index, a Milvus server switches to HNSW past the threshold, and milvus-lite
+    stays FLAT: its IVF_FLAT ignores nprobe, so switching would trade recall for speed without a way to buy
+    recall back."""
     rng = np.random.default_rng(9)
     vectors = clustered(rng, 40, rng.standard_normal((4, DIM)).astype(np.float32))
 
     async def scenario() -> None:
         store = MilvusGalleryStore(
-            milvus.uri, collection="lite_default", model_version="v1", dimension=DIM,
+            gallery_backend.uri, collection=fresh("default"), model_version="v1", dimension=DIM,
             index_policy=IndexPolicy(flat_max_rows=10),
         )  # fmt: skip
         try:
             await store.add([GalleryEntry(f"f{i}", "tenant-a", "v1", v, 0.0) for i, v in enumerate(vectors)])
             assert await store.count() == 40
-            assert store.index_type == "FLAT"
+            assert store.index_type == ("HNSW" if gallery_backend.server else "FLAT")
+            assert [m.face_id for m in await store.search("tenant-a", vectors[7], 1, -1.0)] == ["f7"]
         finally:
             await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_index_switch_waits_for_the_cluster_wide_lease(
+    gallery_backend: GalleryBackend, redis_url: str
+) -> None:
+    """Replicas switch the index one at a time: while another holds the lease (it is switching), an insert
+    past the threshold leaves the index alone and succeeds; the next insert after the lease is given back
+    switches. Two replicas crossing the threshold together end with one index and exact results on both."""
+    rng = np.random.default_rng(31)
+    centres = rng.standard_normal((8, DIM)).astype(np.float32)
+    vectors = clustered(rng, 60, centres)
+    policy = IndexPolicy(
+        flat_max_rows=20, large_index="IVF_FLAT", build_params={"nlist": 4}, search_params={"nprobe": 4}
+    )
+    collection = fresh("lease")
+    ids = [f"f{i}" for i in range(len(vectors))]
+    entries = [
+        GalleryEntry(face_id, "tenant-a", "v1", v, 0.0) for face_id, v in zip(ids, vectors, strict=True)
+    ]
+
+    async def scenario() -> None:
+        redis = connect_redis(redis_url)
+        leases = RedisLeases(redis, prefix=f"{collection}:")
+        replicas = [
+            MilvusGalleryStore(
+                gallery_backend.uri,
+                collection=collection,
+                model_version="v1",
+                dimension=DIM,
+                index_policy=policy,
+                switch_leases=leases,
+            )
+            for _ in range(2)
+        ]
+        first, second = replicas
+        name = f"milvus-index:{first.collection}"
+        try:
+            async with leases.try_hold(name, 60) as held:
+                assert held
+                await first.add(entries[:25])  # past the threshold, but another replica "is switching"
+                assert first.index_type == "FLAT"
+                async with leases.try_hold(name, 60) as again:
+                    assert not again  # the lease is exclusive
+            # Both replicas cross again at once: one takes the lease and switches, the other carries on.
+            await asyncio.gather(first.add(entries[25:40]), second.add(entries[40:]))
+            if "FLAT" in (first.index_type, second.index_type):
+                await first.add(entries[:1])  # the replica that lost the race notices on its next insert
+                await second.add(entries[:1])
+            assert (first.index_type, second.index_type) == ("IVF_FLAT", "IVF_FLAT")
+            for replica in replicas:
+                for row in (3, 30, 55):
+                    matches = await replica.search("tenant-a", vectors[row], 5, -1.0)
+                    assert [m.face_id for m in matches] == exact_top(vectors, ids, vectors[row], 5)
+        finally:
+            for replica in replicas:
+                await replica.close()
+            await redis.aclose()
 
     asyncio.run(scenario())

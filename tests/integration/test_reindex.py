@@ -1,6 +1,7 @@
 """`facesearch reindex --tenant`: faces enrolled under an older face model version are re-embedded from
-their stored proof images with the current model, on real Redis and milvus-lite with the real models and
-real photos; an interrupted run resumes where it stopped."""
+their stored proof images with the current model, on real Redis and milvus-lite or a Milvus server (the
+`gallery_backend` fixture) with the real models and real photos; an interrupted run resumes where it
+stopped."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from serve_app.stores.milvus_gallery import MilvusGalleryStore
 from serve_app.stores.redis_records import RedisFaceRecordStore
 from serve_app.stores.redis_support import connect_redis
 from tests.faces_dev import load_faces_dev
+from tests.integration.conftest import GalleryBackend
 
 OLD_VERSION = "face_v0_retired"
 _DEFAULTS = Settings()
@@ -41,7 +43,7 @@ class Interrupted(Exception):
 
 @pytest.fixture(scope="module")
 def backends(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServices]:
-    services = EmbeddedServices(tmp_path_factory.mktemp("reindex"))
+    services = EmbeddedServices(tmp_path_factory.mktemp("reindex"), milvus=False)
     services.start()
     try:
         yield services
@@ -59,12 +61,13 @@ class CountingAnalysis(LocalAnalysis):
 
 def test_reindex_reembeds_from_proofs_and_resumes(
     backends: EmbeddedServices,
+    gallery_backend: GalleryBackend,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    redis_url, milvus_uri = backends.redis_url, backends.milvus_uri
-    assert redis_url is not None and milvus_uri is not None
+    redis_url, milvus_uri = backends.redis_url, gallery_backend.uri
+    assert redis_url is not None
     prefix = f"t{uuid.uuid4().hex[:8]}:"
     blob_dir = tmp_path / "blobs"
     state_path = tmp_path / "state.json"
@@ -81,7 +84,7 @@ def test_reindex_reembeds_from_proofs_and_resumes(
         body: Callable[[RedisFaceRecordStore, LocalBlobStore, MilvusGalleryStore], Awaitable[None]],
     ) -> None:
         redis = connect_redis(redis_url)
-        # The service's own collection name and version (this module's Milvus is its own).
+        # The service's own collection name and version (no other test uses that collection).
         gallery = MilvusGalleryStore(milvus_uri, model_version=MODEL_VERSION, dimension=FUSED_DIM)
         try:
             await body(RedisFaceRecordStore(redis, prefix=prefix), LocalBlobStore(blob_dir), gallery)
