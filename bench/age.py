@@ -27,7 +27,7 @@ import numpy as np
 from bench.common import format_table, load_image
 from models import age_v2
 from models.age import AgeEstimator, age_chip_views
-from models.age_policy import AgeDecision, age_faces, decide_age
+from models.age_policy import AgeDecision, AgeReason, age_faces, decide_age
 from models.align import FaceAligner
 from models.arrays import to_rgb
 from models.detector import DetectorOptions, FaceDetector
@@ -233,9 +233,10 @@ def legacy_decisions(photo_faces_list: list[list[AnalyzedFace]]) -> list[AgeDeci
         )
         quality_ok = subject.quality is not None and subject.quality.enrol_ok
         estimate = subject.age
+        reason: AgeReason | None
         if quality_ok and not crowded:
             reason = "uncertain_age" if 50 in (estimate.under_18, estimate.under_21) else None
-            out.append(AgeDecision(estimate, reason))  # type: ignore[arg-type]
+            out.append(AgeDecision(estimate, reason))
             continue
         flagged = dataclasses.replace(
             estimate, under_18=estimate.under_18 or 50, under_21=estimate.under_21 or 50
@@ -244,7 +245,7 @@ def legacy_decisions(photo_faces_list: list[list[AnalyzedFace]]) -> list[AgeDeci
             reason = "uncertain_age" if 50 in (estimate.under_18, estimate.under_21) else None
         else:
             reason = "face_quality" if not quality_ok else "another_face"
-        out.append(AgeDecision(flagged, reason))  # type: ignore[arg-type]
+        out.append(AgeDecision(flagged, reason))
     return out
 
 
@@ -263,7 +264,8 @@ def age_errors(photos: PhotoSet, estimates: np.ndarray) -> np.ndarray:
     if photos.name != "faces-wild":
         return estimates - photos.ages
     low = photos.ages.astype(np.float64)
-    high = np.array([np.inf if WILD_GROUPS[a] is None else WILD_GROUPS[a] + 1 for a in photos.ages])
+    tops = [WILD_GROUPS[int(a)] for a in photos.ages]
+    high = np.array([np.inf if top is None else top + 1 for top in tops])
     return np.where(estimates < low, estimates - low, np.where(estimates > high, estimates - high, 0.0))
 
 
