@@ -31,9 +31,9 @@ from models.age_policy import AgeDecision, AgeReason, age_faces, decide_age
 from models.align import FaceAligner
 from models.arrays import to_rgb
 from models.detector import DetectorOptions, FaceDetector
-from models.quality import assess_image_faces, judge_quality, pose_from_landmarks
+from models.quality import age_quality_failures, assess_image_faces, judge_quality, pose_from_landmarks
 from models.sessions import SessionOptions
-from models.types import AnalyzedFace, DetectedFace
+from models.types import AnalyzedFace, DetectedFace, FaceQuality
 from models.weights import NPM_WEIGHTS, WEIGHTS, resolve
 from tests.faces_dev import REPO_ROOT, faces_dev_dir, load_faces_dev
 
@@ -539,6 +539,81 @@ def _timed(function: Callable[[np.ndarray], object], views: np.ndarray) -> float
     return time.perf_counter() - started
 
 
+def quality_table(sets: list[tuple[PhotoSet, list[list[AnalyzedFace]]]]) -> str:
+    """What each check of the age bar (and the enrolment bar) does to the subjects it refuses: their MAE,
+    how many the bands alone would have given a 0 against the label, and the adults it withholds."""
+    checks: list[tuple[str, Callable[[FaceQuality], bool]]] = [
+        ("all subjects", lambda q: True),
+        ("detector score < 0.85", lambda q: q.detector_score < 0.85),
+        ("detector score 0.85-0.88", lambda q: 0.85 <= q.detector_score < 0.88),
+        ("sharpness < 20", lambda q: q.sharpness < 20),
+        ("|yaw| 0.8-2.0", lambda q: 0.8 < abs(q.yaw) <= 2.0),
+        ("|yaw| > 2.0", lambda q: not abs(q.yaw) <= 2.0),
+        ("|roll| > 40", lambda q: abs(q.roll_deg) > 40),
+        ("pitch outside 0.15-0.9", lambda q: not 0.15 <= q.pitch <= 0.9),
+        ("size < 60 px", lambda q: q.face_size_px < 60),
+        ("misses the enrolment bar", lambda q: not q.enrol_ok),
+        ("misses the age bar", lambda q: bool(age_quality_failures(q))),
+    ]
+    table = []
+    for photos, per_photo in sets:
+        young_18, young_21 = (20, 30) if photos.name == "faces-wild" else (18, 21)
+        adult = 30 if photos.name == "faces-wild" else 26
+        subjects = [max(faces, key=lambda f: f.detection.area) if faces else None for faces in per_photo]
+        estimates = np.array([s.age.expected_age if s and s.age else np.nan for s in subjects])
+        errors = np.abs(age_errors(photos, estimates))
+        for label, check in checks:
+            rows = [
+                i
+                for i, s in enumerate(subjects)
+                if s is not None and s.quality is not None and check(s.quality)
+            ]
+            if not rows:
+                continue
+            wrong_0 = sum(
+                1
+                for i in rows
+                if (s := subjects[i]) is not None
+                and s.age is not None
+                and (
+                    (photos.ages[i] < young_18 and s.age.under_18 == 0)
+                    or (photos.ages[i] < young_21 and s.age.under_21 == 0)
+                )
+            )
+            adults_0 = sum(
+                1
+                for i in rows
+                if (s := subjects[i]) is not None
+                and s.age is not None
+                and photos.ages[i] >= adult
+                and s.age.under_18 == 0
+            )
+            table.append(
+                [
+                    photos.name,
+                    label,
+                    str(len(rows)),
+                    f"{np.nanmean(errors[rows]):.1f}",
+                    f"{100 * np.nanmean(errors[rows] > 8):.0f}",
+                    str(wrong_0),
+                    str(adults_0),
+                ]
+            )
+    header = [
+        "set",
+        "subjects",
+        "n",
+        "MAE",
+        "miss > 8 y %",
+        "young given 0 by bands",
+        "adults given 0 by bands",
+    ]
+    return format_table(header, table) + (
+        "\n(faces-wild: MAE is the distance outside the labelled group; young = under 20 for under_18, "
+        "under 30 for under_21; adults = 30+. faces-calib: under 18 / under 21; adults 26+)"
+    )
+
+
 def subject_raw(faces: PhotoFaces, count: int) -> np.ndarray:
     """[N] raw faceres-deep estimate of each photo's largest face (NaN where none)."""
     out = np.full(count, np.nan)
@@ -617,6 +692,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     decision_rows: list[tuple[str, PhotoSet, list[AgeDecision | None]]] = []
     estimate_rows: list[tuple[str, PhotoSet, np.ndarray]] = []
     cost_rows = []
+    quality_sets: list[tuple[PhotoSet, list[list[AnalyzedFace]]]] = []
     for photos in (wild, dev, calib):
         faces = all_faces[photos.name]
         if baseline is not None:
@@ -624,6 +700,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             decision_rows.append((f"before / {photos.name}", photos, legacy_decisions(before)))
             estimate_rows.append((f"before / {photos.name}", photos, subject_estimates(before)))
         after = analyzed_faces(faces, len(photos.paths), calibration)
+        if photos is not dev:
+            quality_sets.append((photos, after))
         made = decisions(after)
         decision_rows.append((f"after / {photos.name}", photos, made))
         estimate_rows.append((f"after / {photos.name}", photos, subject_estimates(after)))
@@ -636,6 +714,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
     print("# Age decisions by age group (faces-wild: FairFace's perceived groups; wild and calib in-sample)")
     print(decision_table(decision_rows) + "\n")
+    print(
+        "# Subjects refused by each quality check (bands without rules; the age bar is models.quality_bars)"
+    )
+    print(quality_table(quality_sets) + "\n")
     print("# MAE and bias of the corrected estimate by age group (faces-wild: distance outside the group)")
     print(mae_table(estimate_rows) + "\n")
 
