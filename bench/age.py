@@ -1,13 +1,19 @@
-"""Age benchmark: age-v1 against faceres-deep (age-v2) by true-age band, on faces-calib and faces-dev.
+"""Age benchmark: faceres-deep's decisions (bands + safety rules, models.age_policy) per age group on
+faces-wild (FairFace photos, perceived-age groups), faces-dev and faces-calib; age-v1 against faceres-deep.
 
-    python -m bench.age                  # the age table for both models on both sets, and ms/face
+    python -m bench.age                  # decision and MAE tables, what each quality check refuses, the
+                                         # photos where a flag contradicts the label, model cost
+    python -m bench.age --baseline-calibration OLD.json
+                                         # adds "before" rows: that correction with the rules before
+                                         # issue 23 (enrolment bar, any face of a quarter of the area)
     python -m bench.age --choose-views   # faceres-deep crop margins x mirror on faces-calib (MAE, bias)
-    python -m bench.age --calibrate      # fit the correction and bands on faces-calib, write
-                                         # models/age_calibration.json, then print the tables
+    python -m bench.age --calibrate      # fit the correction (faces-calib + faces-wild's 0-2 and 70+) and
+                                         # the bands (faces-calib), write models/age_calibration.json
 
-The face box is the largest YuNet face of each photo, as in the service. Model outputs are cached per
-photo set and view under var/bench-cache/age (keyed by the model files' hashes), so reruns are fast.
-Choices are made on faces-calib only; faces-dev is reported, never fitted.
+Every face of every photo (detection, quality measurements, faceres-deep's output) is cached per photo set
+under var/bench-cache/age (keyed by the photo list and model files), so trying rule variants costs no model
+time. Bands are chosen on faces-calib; rules and the correction's ends on faces-wild (its rows are in-sample);
+faces-dev is reported, never fitted. The other sets are found next to faces-dev (FACES_DEV_DIR).
 """
 
 from __future__ import annotations

@@ -16,8 +16,9 @@ certainty; see serve_app.pipelines.processing). Thresholds were chosen on faces-
 `python -m bench.identification` (what each bar rejects and its effect on FNIR/FPIR) and its
 `--blur-sweep` (sharpness against matching under Gaussian blur); README section "Quality gate".
 
-The age bar (AGE_QUALITY_BAR, applied by models.age_policy) is separate: it was chosen on faces-wild and
-faces-calib by what predicts a wrong age estimate (`python -m bench.age --quality`), not by matching.
+The age bar (models.quality_bars.AGE_QUALITY_BAR, applied by models.age_policy) is separate: it was chosen
+on faces-wild and faces-calib by what predicts a wrong age estimate (`python -m bench.age` prints what each
+check refuses), not by matching.
 """
 
 from __future__ import annotations
