@@ -6,7 +6,8 @@ one by one (each loads only what it needs from ModelConfig):
     detect(images)                one detector batch for all images     ModelConfig.load_detector()
     FaceCropper(image, faces)     landmarks once per face, descriptor   ModelConfig.load_cropper()
                                   chips (CPU, dlib); age views of the
-                                  subject cut from its detector box
+                                  subject (and of comparable faces,
+                                  models.age_policy) from the boxes
     infer(crops of many images)   one descriptor run, one age run       load_embedder(), load_age_estimator()
     assemble(faces, results,      AnalyzedFace lists (quality is measured by the cropper for every face)
              qualities)
@@ -26,6 +27,7 @@ from typing import Any, Literal, TypeVar
 
 import numpy as np
 
+from models.age_policy import age_faces as policy_age_faces
 from models.age_v2 import INPUT_SIZE as AGE_INPUT_SIZE
 from models.age_v2 import VIEWS_PER_FACE as AGE_VIEWS_PER_FACE
 from models.age_v2 import (
@@ -47,7 +49,7 @@ from models.embedder import FaceEmbedder, FusedEmbedder, SFaceEmbedder
 from models.quality import DEFAULT_QUALITY_THRESHOLDS, QualityThresholds, assess_quality
 from models.sessions import DEFAULT_PROVIDER_PREFERENCE, SessionOptions
 from models.sface import ensure_sface_model
-from models.types import AgeEstimate, AnalyzedFace, DetectedFace, FaceQuality, subject_index
+from models.types import AgeEstimate, AnalyzedFace, DetectedFace, FaceQuality
 from models.types import largest_face as largest_face  # re-exported: callers import it from here
 from models.weights import resolve
 
@@ -141,8 +143,9 @@ class FaceCrops:
     """Aligned chips for the faces of one image, in detection order; None where the stage was not asked."""
 
     descriptor_chips: np.ndarray | None  # uint8 [F, 150, 150, 3] RGB (dlib)
-    # Age runs on the subject only (the largest face, see subject_index): uint8 [K, V, 224, 224, 3] RGB views
-    # of the faces listed in age_faces (K = 0 or 1), V = AGE_VIEWS_PER_FACE.
+    # Age runs on the subject (the largest face) and on the other faces the age rules need
+    # (models.age_policy.age_faces): uint8 [K, V, 224, 224, 3] RGB views of the faces listed in age_faces,
+    # subject first, V = AGE_VIEWS_PER_FACE.
     age_views: np.ndarray | None
     qualities: tuple[FaceQuality, ...] = ()  # one per face, always measured (models.quality)
     age_faces: tuple[int, ...] = ()  # indices (detection order) of the faces in age_views
@@ -166,7 +169,8 @@ class FaceResults:
 
 
 class FaceCropper:
-    """Landmarks once per face for the descriptor chips; the subject's age views from its detector box."""
+    """Landmarks once per face for the descriptor chips; age views from the detector boxes of the subject
+    and of the other faces the age rules need."""
 
     def __init__(
         self, aligner: FaceAligner, quality_thresholds: QualityThresholds = DEFAULT_QUALITY_THRESHOLDS
@@ -196,8 +200,8 @@ class FaceCropper:
         age_views = None
         age_faces: tuple[int, ...] = ()
         if estimate_age:
-            subject = subject_index(faces)
-            age_faces = () if subject is None else (subject,)
+            # The subject and the other faces the age rules look at (models.age_policy.age_faces).
+            age_faces = policy_age_faces(faces)
             age_views = face_views(rgb, [faces[i].box for i in age_faces])
         return FaceCrops(
             descriptor_chips=descriptor_chips,

@@ -10,78 +10,50 @@ Measurements (all cheap, computed for every detected face):
   mouth corners, in half eye distances (0 frontal, about +-1 when the nose reaches an eye's column); pitch:
   where the nose tip sits between the eye line (0) and the mouth line (1), about 0.5 for a frontal face.
 
-Two bars: the enrolment bar (a face stored in a gallery is compared with every later probe, so it must be
+Three bars: the enrolment bar (a face stored in a gallery is compared with every later probe, so it must be
 good) and the looser search bar (a probe below it still searches, but its matches are reported without
 certainty; see serve_app.pipelines.processing). Thresholds were chosen on faces-calib measurements:
 `python -m bench.identification` (what each bar rejects and its effect on FNIR/FPIR) and its
 `--blur-sweep` (sharpness against matching under Gaussian blur); README section "Quality gate".
+
+The age bar (models.quality_bars.AGE_QUALITY_BAR, applied by models.age_policy) is separate: it was chosen
+on faces-wild and faces-calib by what predicts a wrong age estimate (`python -m bench.age` prints what each
+check refuses), not by matching.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import cv2
 import numpy as np
 
 from models.chips import align_chip
+from models.quality_bars import (
+    AGE_QUALITY_BAR,
+    DEFAULT_QUALITY_THRESHOLDS,
+    Pose,
+    QualityBar,
+    QualityThresholds,
+    age_quality_failures,
+    bar_failures,
+)
 from models.types import DetectedFace, FaceQuality
 
 __all__ = [
+    "AGE_QUALITY_BAR",
     "DEFAULT_QUALITY_THRESHOLDS",
     "FaceQuality",
     "Pose",
     "QualityBar",
     "QualityThresholds",
+    "age_quality_failures",
     "assess_image_faces",
     "assess_quality",
     "chip_sharpness",
     "judge_quality",
     "pose_from_landmarks",
 ]
-
-
-@dataclass(frozen=True)
-class QualityBar:
-    """Minimums/maximums a face must meet; each failed check adds its reason code."""
-
-    min_face_size_px: float
-    min_detector_score: float
-    min_sharpness: float
-    max_abs_yaw: float
-    pitch_range: tuple[float, float]
-    max_abs_roll_deg: float
-
-
-@dataclass(frozen=True)
-class QualityThresholds:
-    enrol: QualityBar = QualityBar(
-        min_face_size_px=60.0,
-        min_detector_score=0.85,
-        min_sharpness=20.0,
-        max_abs_yaw=0.8,
-        pitch_range=(0.25, 0.8),
-        max_abs_roll_deg=40.0,
-    )
-    search: QualityBar = QualityBar(
-        min_face_size_px=32.0,
-        min_detector_score=0.75,
-        min_sharpness=10.0,
-        max_abs_yaw=1.0,
-        pitch_range=(0.15, 0.9),
-        max_abs_roll_deg=60.0,
-    )
-
-
-DEFAULT_QUALITY_THRESHOLDS = QualityThresholds()
-
-
-@dataclass(frozen=True)
-class Pose:
-    yaw: float
-    pitch: float
-    roll_deg: float
 
 
 def pose_from_landmarks(landmarks: np.ndarray) -> Pose:
@@ -113,26 +85,6 @@ def chip_sharpness(chip: np.ndarray) -> float:
     return float(cv2.Laplacian(grey, cv2.CV_64F).var())
 
 
-def _failures(bar: QualityBar, size: float, score: float, sharpness: float, pose: Pose) -> list[str]:
-    reasons = []
-    if size < bar.min_face_size_px:
-        reasons.append("small_face")
-    if score < bar.min_detector_score:
-        reasons.append("low_detector_score")
-    if sharpness < bar.min_sharpness:
-        reasons.append("blurry")
-    low, high = bar.pitch_range
-    frontal = (
-        math.isfinite(pose.yaw)
-        and abs(pose.yaw) <= bar.max_abs_yaw
-        and low <= pose.pitch <= high  # NaN compares False: not frontal
-        and abs(pose.roll_deg) <= bar.max_abs_roll_deg
-    )
-    if not frontal:
-        reasons.append("extreme_pose")
-    return reasons
-
-
 def judge_quality(
     face_size_px: float,
     detector_score: float,
@@ -141,8 +93,8 @@ def judge_quality(
     thresholds: QualityThresholds = DEFAULT_QUALITY_THRESHOLDS,
 ) -> FaceQuality:
     """The two bars applied to measurements already taken."""
-    enrol_failures = _failures(thresholds.enrol, face_size_px, detector_score, sharpness, pose)
-    search_failures = _failures(thresholds.search, face_size_px, detector_score, sharpness, pose)
+    enrol_failures = bar_failures(thresholds.enrol, face_size_px, detector_score, sharpness, pose)
+    search_failures = bar_failures(thresholds.search, face_size_px, detector_score, sharpness, pose)
     return FaceQuality(
         face_size_px=face_size_px,
         detector_score=detector_score,

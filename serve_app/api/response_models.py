@@ -97,12 +97,28 @@ _MATCHES = (
 )
 
 
+class AgeDecision(BaseModel):
+    """Extension, present only when under_18 or under_21 is 50: why the service did not decide."""
+
+    reason: Literal["uncertain_age", "face_quality", "another_face"] = Field(
+        description="uncertain_age: the estimate lies between the bands (a better photo rarely helps); "
+        "face_quality: the subject's face misses the age quality bar (small, blurred, turned away or a "
+        "doubtful detection; both flags are 50), ask for a better photo; another_face: another face as "
+        "large as a quarter of the subject's could be a minor, so a 0 is withheld; ask for a photo of the "
+        "person alone"
+    )
+    quality: QualityReport | None = Field(
+        default=None, description="the subject's measurements and the age bar's failed checks (face_quality)"
+    )
+
+
 class AgeData(BaseModel):
     reference_id: str
     age: int | None
     under_18: Literal[0, 50, 100] | None
     under_21: Literal[0, 50, 100] | None
     unindexed_faces: list[QualityReport] | None = Field(default=None, description=_UNINDEXED)
+    age_decision: AgeDecision | None = None
 
 
 class FaceSearchResult(BaseModel):

@@ -53,6 +53,10 @@ def render_outcome(
         }
         if outcome.unindexed_faces:  # an extension field, present only when a face was not enrolled
             data["unindexed_faces"] = [dataclasses.asdict(face) for face in outcome.unindexed_faces]
+        if outcome.age_decision is not None:  # an extension field, present only when a flag is 50
+            data["age_decision"] = dataclasses.asdict(outcome.age_decision)
+            if outcome.age_decision.quality is None:
+                del data["age_decision"]["quality"]
         return AgeData.model_validate(data).model_dump(mode="json", exclude_unset=True)
     matched = [
         (

@@ -39,12 +39,21 @@ class FaceSearchOutcome:
 
 
 @dataclass(frozen=True)
+class AgeDecisionReport:
+    """Why under_18 or under_21 is 50 (an extension of the interface; models.age_policy)."""
+
+    reason: str  # uncertain_age | face_quality | another_face
+    quality: QualityReport | None = None  # the subject's measurements, when reason is face_quality
+
+
+@dataclass(frozen=True)
 class AgeEstimationOutcome:
     age: int | None  # None: no face, or no age the policy stands behind
     under_18: int | None  # 0, 50 or 100 (models.age_policy)
     under_21: int | None
     unindexed_faces: tuple[QualityReport, ...] = ()
     enrolled: bool = False
+    age_decision: AgeDecisionReport | None = None  # present exactly when a flag is 50
 
 
 Outcome = FaceSearchOutcome | AgeEstimationOutcome

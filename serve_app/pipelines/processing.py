@@ -18,12 +18,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from models.age_policy import subject_age
+from models.age_policy import AgeDecision, decide_age
 from models.calibration import DEFAULT_FPIR, FaceScoreCalibration
 from models.types import AnalyzedFace, FaceQuality, largest_face
 from serve_app.domain.errors import ServiceError
 from serve_app.domain.faces import FaceRecord, GalleryEntry
 from serve_app.domain.outcomes import (
+    AgeDecisionReport,
     AgeEstimationOutcome,
     FaceMatch,
     FaceSearchOutcome,
@@ -87,6 +88,17 @@ def quality_report(quality: FaceQuality) -> QualityReport:
         pitch=round(quality.pitch, 3),
         roll_deg=round(quality.roll_deg, 1),
     )
+
+
+def age_decision_report(decision: AgeDecision, quality: FaceQuality | None) -> AgeDecisionReport | None:
+    """The age_decision extension: the reason when a flag is 50, with the subject's measurements and the age
+    bar's failed checks when the reason is face quality."""
+    if decision.reason is None:
+        return None
+    report = None
+    if decision.reason == "face_quality" and quality is not None:
+        report = dataclasses.replace(quality_report(quality), reasons=decision.quality_reasons)
+    return AgeDecisionReport(reason=decision.reason, quality=report)
 
 
 def enrolled_face_id(reference_id: str) -> str:
@@ -306,10 +318,12 @@ class TransactionProcessor:
     async def _age_estimation(self, tx: Transaction, image: Any) -> AgeEstimationOutcome:
         faces = await self._analysis.analyze(image, embed=tx.enroll_face, estimate_age=True)
         subject = largest_face(faces)
-        # The flags follow the safety rules of models.age_policy (several comparable faces, quality gate).
-        age = subject_age(faces)
-        if subject is None or age is None:
+        # The flags follow the rules of models.age_policy (age quality bar, another face that could be a
+        # minor), which also say why a flag is 50.
+        decision = decide_age(faces)
+        if subject is None or decision is None:
             return AgeEstimationOutcome(age=None, under_18=None, under_21=None)
+        age = decision.estimate
         unindexed: tuple[QualityReport, ...] = ()
         enrolled = False
         if tx.enroll_face and subject.embedding is not None:
@@ -320,6 +334,7 @@ class TransactionProcessor:
             under_21=age.under_21,
             unindexed_faces=unindexed,
             enrolled=enrolled,
+            age_decision=age_decision_report(decision, subject.quality),
         )
 
     async def _enroll(self, tx: Transaction, face: AnalyzedFace) -> bool:

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from serve_app.domain.outcomes import (
+    AgeDecisionReport,
     AgeEstimationOutcome,
     FaceMatch,
     FaceSearchOutcome,
@@ -84,6 +85,8 @@ def _to_json(outcome: Outcome) -> dict[str, Any]:
             data["probe_quality"] = _quality_to_json(outcome.probe_quality)
     else:
         data = {"age": outcome.age, "under_18": outcome.under_18, "under_21": outcome.under_21}
+        if outcome.age_decision is not None:
+            data["age_decision"] = _decision_to_json(outcome.age_decision)
     if outcome.unindexed_faces:
         data["unindexed_faces"] = [_quality_to_json(face) for face in outcome.unindexed_faces]
     data["enrolled"] = outcome.enrolled
@@ -107,12 +110,28 @@ def _from_json(kind: TransactionKind, data: dict[str, Any]) -> Outcome:
             unindexed_faces=unindexed,
             enrolled=enrolled,
         )
+    decision = data.get("age_decision")
     return AgeEstimationOutcome(
         age=_optional_int(data.get("age")),
         under_18=_optional_int(data.get("under_18")),
         under_21=_optional_int(data.get("under_21")),
         unindexed_faces=unindexed,
         enrolled=enrolled,
+        age_decision=_decision_from_json(decision) if decision is not None else None,
+    )
+
+
+def _decision_to_json(decision: AgeDecisionReport) -> dict[str, Any]:
+    data: dict[str, Any] = {"reason": decision.reason}
+    if decision.quality is not None:
+        data["quality"] = _quality_to_json(decision.quality)
+    return data
+
+
+def _decision_from_json(data: dict[str, Any]) -> AgeDecisionReport:
+    quality = data.get("quality")
+    return AgeDecisionReport(
+        reason=str(data["reason"]), quality=_quality_from_json(quality) if quality is not None else None
     )
 
 

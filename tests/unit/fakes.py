@@ -766,12 +766,14 @@ def face(
     )
 
 
-def quality(enrol_ok: bool = True, search_ok: bool = True, reasons: tuple[str, ...] = ()) -> FaceQuality:
+def quality(
+    enrol_ok: bool = True, search_ok: bool = True, reasons: tuple[str, ...] = (), sharpness: float = 200.0
+) -> FaceQuality:
     """A quality verdict as models.quality gives it (measurements of a plausible face)."""
     return FaceQuality(
         face_size_px=120.0,
         detector_score=0.95,
-        sharpness=200.0,
+        sharpness=sharpness,
         yaw=0.0,
         pitch=0.5,
         roll_deg=0.0,
@@ -782,8 +784,10 @@ def quality(enrol_ok: bool = True, search_ok: bool = True, reasons: tuple[str, .
 
 
 def face_quality(ok: bool = True) -> FaceQuality:
-    """A verdict passing both bars, or failing both for blur."""
-    return quality(enrol_ok=ok, search_ok=ok, reasons=() if ok else ("blurry",))
+    """A verdict passing every bar, or failing them all for blur (the age bar judges the measurements)."""
+    return quality(
+        enrol_ok=ok, search_ok=ok, reasons=() if ok else ("blurry",), sharpness=200.0 if ok else 5.0
+    )
 
 
 Color = tuple[int, int, int]

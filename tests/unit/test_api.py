@@ -201,7 +201,7 @@ def test_a_search_without_matches_has_an_empty_list(faces: bool, is_face_found: 
 def test_a_final_age_result_has_exactly_the_interface_fields() -> None:
     async def scenario() -> None:
         api = await build_api()
-        api.world.analysis.faces_by_color[GREEN] = [face(embedding(2), age=19)]
+        api.world.analysis.faces_by_color[GREEN] = [face(embedding(2), age=40, quality=face_quality(True))]
         async with api.http() as http:
             created = await create_age(api, http, GREEN, enroll_face="0")
             reference_id = created.json()["result"]["data"]["reference_id"]
@@ -212,12 +212,33 @@ def test_a_final_age_result_has_exactly_the_interface_fields() -> None:
         assert body["status"] is True
         assert body["result"]["data"] == {
             "reference_id": reference_id,
-            "age": 19,
-            "under_18": 50,
-            "under_21": 50,
+            "age": 40,
+            "under_18": 0,
+            "under_21": 0,
         }
         assert all(type(body["result"]["data"][key]) is int for key in ("age", "under_18", "under_21"))
         assert api.world.gallery.face_ids() == set()
+
+    asyncio.run(scenario())
+
+
+def test_an_age_result_with_a_50_says_why() -> None:
+    async def scenario() -> None:
+        api = await build_api()
+        api.world.analysis.faces_by_color[GREEN] = [face(embedding(2), age=19, quality=face_quality(True))]
+        api.world.analysis.faces_by_color[BLUE] = [face(embedding(3), age=40, quality=face_quality(False))]
+        async with api.http() as http:
+            data = {}
+            for color in (GREEN, BLUE):
+                created = await create_age(api, http, color, enroll_face="0")
+                reference_id = created.json()["result"]["data"]["reference_id"]
+                await api.world.processor().process(reference_id)
+                data[color] = (await result(api, http, reference_id)).json()["result"]["data"]
+        assert data[GREEN]["under_18"] == 50 and data[GREEN]["age_decision"] == {"reason": "uncertain_age"}
+        blurred = data[BLUE]
+        assert (blurred["under_18"], blurred["under_21"]) == (50, 50)
+        assert blurred["age_decision"]["reason"] == "face_quality"
+        assert blurred["age_decision"]["quality"]["reasons"] == ["blurry"]
 
     asyncio.run(scenario())
 

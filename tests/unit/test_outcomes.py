@@ -4,14 +4,17 @@ them."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
+from typing import Any
 
 import pytest
 
 from serve_app.api.results import render_outcome
 from serve_app.api.tokens import TokenSigner
 from serve_app.domain.outcomes import (
+    AgeDecisionReport,
     AgeEstimationOutcome,
     FaceMatch,
     FaceSearchOutcome,
@@ -25,6 +28,7 @@ from serve_app.stores.outcome_codec import (
     outcome_fields,
     outcome_from_fields,
 )
+from tests.unit.fakes import build_api
 
 BLURRY = QualityReport(
     reasons=("blurry",),
@@ -57,6 +61,10 @@ AGES = [
     AgeEstimationOutcome(age=None, under_18=None, under_21=None),
     AgeEstimationOutcome(age=17, under_18=50, under_21=100, enrolled=True),
     AgeEstimationOutcome(age=30, under_18=0, under_21=0, unindexed_faces=(BLURRY,)),
+    AgeEstimationOutcome(
+        age=30, under_18=50, under_21=50, age_decision=AgeDecisionReport("face_quality", quality=BLURRY)
+    ),
+    AgeEstimationOutcome(age=30, under_18=50, under_21=50, age_decision=AgeDecisionReport("another_face")),
 ]
 
 
@@ -191,6 +199,29 @@ def test_the_api_renders_the_age_shape_with_unindexed_faces_only_when_there_are_
     }
 
 
+def test_an_age_result_with_a_50_says_why_in_the_age_decision_extension() -> None:
+    signer = TokenSigner("secret", 60, 900)
+    tx = completed(TransactionKind.AGE_ESTIMATION, AGES[3])
+    measured = {
+        "reasons": ["blurry"],
+        "face_size_px": 80.5,
+        "detector_score": 0.912,
+        "sharpness": 12.3,
+        "yaw": 0.05,
+        "pitch": 0.4,
+        "roll_deg": -3.5,
+    }
+    assert render_outcome(tx, AGES[3], "http://h", signer) == {
+        "reference_id": tx.reference_id,
+        "age": 30,
+        "under_18": 50,
+        "under_21": 50,
+        "age_decision": {"reason": "face_quality", "quality": measured},
+    }
+    rendered = render_outcome(tx, AGES[4], "http://h", signer)
+    assert rendered["age_decision"] == {"reason": "another_face"}
+
+
 def test_a_face_search_that_missed_a_quality_bar_carries_the_quality_extensions() -> None:
     signer = TokenSigner("secret", 60, 900)
     outcome = SEARCHES[2]
@@ -211,3 +242,17 @@ def test_a_face_search_that_missed_a_quality_bar_carries_the_quality_extensions(
         "unindexed_faces": [measured],
         "probe_quality": {**measured, "search_ok": False},
     }
+
+
+def test_openapi_documents_the_age_decision_extension() -> None:
+    async def scenario() -> dict[str, Any]:
+        api = await build_api()
+        async with api.http() as http:
+            return dict((await http.get("/openapi.json")).json())
+
+    schemas = asyncio.run(scenario())["components"]["schemas"]
+    age_data = schemas["AgeData"]["properties"]
+    assert "age_decision" in age_data and "age_decision" not in schemas["AgeData"].get("required", [])
+    reason = schemas["AgeDecision"]["properties"]["reason"]
+    assert sorted(reason["enum"]) == ["another_face", "face_quality", "uncertain_age"]
+    assert "face_quality" in reason["description"]

@@ -11,7 +11,12 @@ import pytest
 
 from serve_app.domain.errors import BackendUnavailable
 from serve_app.domain.faces import GalleryEntry
-from serve_app.domain.outcomes import AgeEstimationOutcome, FaceSearchOutcome, QualityReport
+from serve_app.domain.outcomes import (
+    AgeDecisionReport,
+    AgeEstimationOutcome,
+    FaceSearchOutcome,
+    QualityReport,
+)
 from serve_app.domain.transactions import Transaction, TransactionState
 from serve_app.pipelines.commands import AgeEstimationCommand, FaceSearchCommand
 from serve_app.pipelines.processing import enrolled_face_id
@@ -445,13 +450,19 @@ def test_age_estimation_result_has_the_interface_keys_and_enrols_the_face() -> N
     async def scenario() -> None:
         world = World()
         vector = embedding(3)
-        world.analysis.faces_by_color[BLUE] = [face(vector, age=17)]
+        world.analysis.faces_by_color[BLUE] = [face(vector, age=17, quality=face_quality(True))]
         tx = await submit_age(world, BLUE)
         await world.processor().process(tx.reference_id)
         final = world.transactions.peek(tx.reference_id)
         assert final.state is TransactionState.COMPLETED
         assert final.result is not None
-        assert final.result == AgeEstimationOutcome(age=17, under_18=50, under_21=100, enrolled=True)
+        assert final.result == AgeEstimationOutcome(
+            age=17,
+            under_18=50,
+            under_21=100,
+            enrolled=True,
+            age_decision=AgeDecisionReport(reason="uncertain_age"),
+        )
         assert world.analysis.calls == [(BLUE, True, True)]
         own = enrolled_face_id(tx.reference_id)
         assert world.gallery.entry(TENANT, own).embedding.tolist() == vector.tolist()
@@ -461,22 +472,67 @@ def test_age_estimation_result_has_the_interface_keys_and_enrols_the_face() -> N
 
 
 @pytest.mark.parametrize(
-    ("faces", "flags"),
+    ("faces", "flags", "reason"),
     [
-        # A cleared adult alone in a good photo: 0.
-        ([face(age=40, quality=face_quality(True))], (0, 0)),
-        # The same subject with a second face of comparable size: the largest face may be the wrong person.
-        ([face(age=40, quality=face_quality(True)), face(age=8, size=60.0, x=200.0)], (50, 50)),
+        # A cleared adult alone in a good photo: 0, and no age_decision.
+        ([face(age=40, quality=face_quality(True))], (0, 0), None),
+        # A second face of comparable size that could be a minor: the photo may be about that face.
+        (
+            [
+                face(age=40, quality=face_quality(True)),
+                face(age=8, size=60.0, x=200.0, quality=face_quality(True)),
+            ],
+            (50, 50),
+            "another_face",
+        ),
+        # ... one that is not estimated, or whose own photo quality is too poor to tell, counts as such.
+        ([face(age=40, quality=face_quality(True)), face(size=60.0, x=200.0)], (50, 50), "another_face"),
+        (
+            [
+                face(age=40, quality=face_quality(True)),
+                face(age=40, size=90.0, x=200.0, quality=face_quality(False)),
+            ],
+            (50, 50),
+            "another_face",
+        ),
+        # A second clear adult of comparable size does not cost the 0.
+        (
+            [
+                face(age=40, quality=face_quality(True)),
+                face(age=35, size=90.0, x=200.0, quality=face_quality(True)),
+            ],
+            (0, 0),
+            None,
+        ),
+        # Only the flag the other face could break is withheld: a face estimated at 21 is in under_18's 0 band
+        # but not in under_21's.
+        (
+            [
+                face(age=40, quality=face_quality(True)),
+                face(age=21, size=90.0, x=200.0, quality=face_quality(True)),
+            ],
+            (0, 50),
+            "another_face",
+        ),
         # A small background face does not count (under a quarter of the subject's area).
-        ([face(age=40, quality=face_quality(True)), face(age=8, size=40.0, x=200.0)], (0, 0)),
-        # The subject fails the quality gate, or its quality was not measured.
-        ([face(age=40, quality=face_quality(False))], (50, 50)),
-        ([face(age=40)], (50, 50)),
-        # The safety rules never lower a flag: a child stays 100.
-        ([face(age=8, quality=face_quality(False)), face(age=40, size=90.0, x=200.0)], (100, 100)),
+        ([face(age=40, quality=face_quality(True)), face(age=8, size=40.0, x=200.0)], (0, 0), None),
+        # The subject misses the age quality bar, or its quality was not measured: 50, never 0 or 100.
+        ([face(age=40, quality=face_quality(False))], (50, 50), "face_quality"),
+        ([face(age=40)], (50, 50), "face_quality"),
+        (
+            [face(age=8, quality=face_quality(False)), face(age=40, size=90.0, x=200.0)],
+            (50, 50),
+            "face_quality",
+        ),
+        # A child subject in a good photo stays 100 whatever the other faces are.
+        ([face(age=8, quality=face_quality(True)), face(age=40, size=90.0, x=200.0)], (100, 100), None),
+        # Between the bands: 50 because of the estimate itself.
+        ([face(age=18, quality=face_quality(True))], (50, 100), "uncertain_age"),
     ],
 )
-def test_age_flags_follow_the_safety_rules(faces: list[Any], flags: tuple[int, int]) -> None:
+def test_age_flags_follow_the_safety_rules(
+    faces: list[Any], flags: tuple[int, int], reason: str | None
+) -> None:
     async def scenario() -> None:
         world = World()
         world.analysis.faces_by_color[BLUE] = faces
@@ -488,6 +544,12 @@ def test_age_flags_follow_the_safety_rules(faces: list[Any], flags: tuple[int, i
         assert isinstance(result, AgeEstimationOutcome)
         assert (result.under_18, result.under_21) == flags
         assert result.age == faces[0].age.age  # the largest face is the subject
+        # The reason is there exactly when a flag is 50.
+        assert (result.age_decision.reason if result.age_decision is not None else None) == reason
+        if reason == "face_quality" and faces[0].quality is not None:
+            assert result.age_decision is not None and result.age_decision.quality is not None
+            assert result.age_decision.quality.reasons == ("blurry",)
+            assert result.age_decision.quality.sharpness == 5.0
 
     asyncio.run(scenario())
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
+from models.age_policy import age_faces
 from models.analyzer import ModelConfig, largest_face, load_face_analyzer
 from models.runners import AgeRunner, AnalysisRequest, AnalysisRunner, DetectorRunner, EmbedderRunner
 from serve_app.deployments.analysis import SplitAnalysis
@@ -79,12 +80,14 @@ def test_split_matches_fused_on_a_group_photo(
     assert len(faces) == len(fused) >= 2
     subject = largest_face(faces)
     assert subject is not None and subject.age is not None
-    for a, b in zip(faces, fused, strict=True):
+    estimated = age_faces([face.detection for face in faces])
+    assert len(estimated) >= 2  # faces of comparable size are estimated too
+    for index, (a, b) in enumerate(zip(faces, fused, strict=True)):
         np.testing.assert_allclose(a.detection.box, b.detection.box, atol=0.05)
         assert a.embedding is not None and b.embedding is not None
         np.testing.assert_allclose(a.embedding, b.embedding, atol=1e-4)
-        # Only the subject carries an age, the same one in both topologies.
-        assert (a.age is None) == (b.age is None) == (a is not subject)
+        # The subject and the faces the age rules need carry an age, the same in both topologies.
+        assert (a.age is None) == (b.age is None) == (index not in estimated)
         if a.age is not None and b.age is not None:
             assert a.age.expected_age == pytest.approx(b.age.expected_age, abs=1e-3)
             assert (a.age.under_18, a.age.under_21) == (b.age.under_18, b.age.under_21)

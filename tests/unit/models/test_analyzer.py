@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
+from models.age_policy import age_faces as policy_age_faces
 from models.age_v2 import VIEWS_PER_FACE as AGE_VIEWS
 from models.age_v2 import AgeBands
 from models.analyzer import (
@@ -165,15 +166,15 @@ def test_batch_equals_one_by_one(faces_dev: FacesDev, analyzer: FaceAnalyzer) ->
             np.testing.assert_allclose(a.detection.box, b.detection.box, atol=0.05)
             assert a.embedding is not None and b.embedding is not None
             np.testing.assert_allclose(a.embedding, b.embedding, atol=1e-4)
-            # Age runs on the subject (largest face) only, the same face in both runs.
+            # Age runs on the subject and the faces the age rules need, the same faces in both runs.
             assert (a.age is None) == (b.age is None)
             if a.age is not None and b.age is not None:
                 assert a.age.expected_age == pytest.approx(b.age.expected_age, abs=1e-2)
                 assert (a.age.under_18, a.age.under_21) == (b.age.under_18, b.age.under_21)
         if faces_a:
-            assert [face.age is not None for face in faces_a] == [
-                face is largest_face(faces_a) for face in faces_a
-            ]
+            estimated = policy_age_faces([face.detection for face in faces_a])
+            assert estimated[0] == subject_index([face.detection for face in faces_a])
+            assert [face.age is not None for face in faces_a] == [i in estimated for i in range(len(faces_a))]
 
 
 def test_stages_compose_to_analyze(faces_dev: FacesDev, analyzer: FaceAnalyzer) -> None:
@@ -191,8 +192,10 @@ def test_stages_compose_to_analyze(faces_dev: FacesDev, analyzer: FaceAnalyzer) 
     assert crops[-1].n_faces == 0
     assert crops[-1].descriptor_chips is not None and crops[-1].descriptor_chips.shape == (0, 150, 150, 3)
     assert crops[0].age_views is not None and crops[0].age_views.shape[1:] == (AGE_VIEWS, 224, 224, 3)
-    # Group photo: one set of age views, for the largest face only.
-    assert len(crops[0].age_views) == 1 and crops[0].age_faces == (subject_index(detections[0]),)
+    # Group photo: age views for the subject first, then for the faces of comparable size (all four here).
+    assert crops[0].age_faces == policy_age_faces(detections[0])
+    assert len(crops[0].age_views) == len(crops[0].age_faces) == len(detections[0])
+    assert crops[0].age_faces[0] == subject_index(detections[0])
     assert crops[-1].age_views is not None and crops[-1].age_views.shape[0] == 0 and crops[-1].age_faces == ()
 
 
