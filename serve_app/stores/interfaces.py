@@ -45,7 +45,9 @@ class TransactionStore(Protocol):
         """Return the transaction once final, or its latest state when timeout_s passes. seen_pending: the
         caller has just read it, not final, so the store need not read it again before waiting."""
 
-    async def count_by_state(self) -> dict[str, int]: ...
+    async def count_by_state(self) -> dict[str, int]:
+        """TransactionState value -> how many transactions are in that state; every state is present (0
+        when none)."""
 
     async def image_keys_in_flight(self) -> set[str]:
         """Blob keys of the uploads of transactions not yet acknowledged on the work queue."""
@@ -66,9 +68,10 @@ class WorkQueue(Protocol):
     async def ack(self, entry_ids: Sequence[str]) -> None: ...
 
     async def requeue(self, entry: QueueEntry) -> None:
-        """Put the transaction back as a new, never-delivered entry and drop the old one, atomically: used
-        when a backend outage (not the transaction) made an attempt fail, so outages never count towards
-        the poison-message limit."""
+        """Put the transaction back as a new, never-delivered entry (behind those already waiting) and drop
+        the old one, atomically: used when a backend outage (not the transaction) made an attempt fail, so
+        outages never count towards the poison-message limit. An entry no longer pending (acknowledged
+        meanwhile: its transaction is done) is left alone, nothing is put back."""
 
     async def depth(self) -> int:
         """Entries not yet acknowledged (pending + undelivered)."""

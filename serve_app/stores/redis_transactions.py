@@ -97,6 +97,16 @@ end
 return held
 """
 
+# Requeue: only an entry still pending (XACK acknowledges it: 1) is dropped and put back as a new entry. One
+# acknowledged meanwhile is done: putting it back would deliver a finished transaction again.
+# KEYS: stream. ARGV: group, entry id, reference_id. Returns 1 when requeued.
+_REQUEUE = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('XDEL', KEYS[1], ARGV[2])
+redis.call('XADD', KEYS[1], '*', 'ref', ARGV[3])
+return 1
+"""
+
 
 def _encode(tx: Transaction) -> dict[FieldT, EncodableT]:
     fields: dict[FieldT, EncodableT] = {
@@ -187,6 +197,7 @@ class RedisTransactionStore:
         self._mark_processing = redis.register_script(_MARK_PROCESSING)
         self._finalize = redis.register_script(_FINALIZE)
         self._renew = redis.register_script(_RENEW)
+        self._requeue = redis.register_script(_REQUEUE)
 
     def _tx_key(self, reference_id: str) -> str:
         return f"{self._prefix}txn:{reference_id}"
@@ -404,11 +415,9 @@ class RedisTransactionStore:
             await pipe.execute()
 
     async def requeue(self, entry: QueueEntry) -> None:
-        async with redis_errors(), self._redis.pipeline(transaction=True) as pipe:
-            pipe.xadd(self._stream, {"ref": entry.reference_id})
-            pipe.xack(self._stream, self._group, entry.entry_id)
-            pipe.xdel(self._stream, entry.entry_id)
-            await pipe.execute()
+        async with redis_errors():
+            await self._ensure_group()
+            await self._requeue(keys=[self._stream], args=[self._group, entry.entry_id, entry.reference_id])
 
     async def depth(self) -> int:
         """Entries not yet acknowledged: acknowledged ones are deleted, so this is the stream length."""

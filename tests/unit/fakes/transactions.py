@@ -97,7 +97,7 @@ class FakeTransactionStore:
 
     async def count_by_state(self) -> dict[str, int]:
         await self._faults.check("transactions.count_by_state")
-        counts: dict[str, int] = {}
+        counts = {state.value: 0 for state in TransactionState}
         for tx in self._items.values():
             counts[tx.state.value] = counts.get(tx.state.value, 0) + 1
         return counts
