@@ -84,7 +84,9 @@ class FaceRecordStore(Protocol):
 
     async def get_many(self, tenant_id: str, face_ids: Sequence[str]) -> dict[str, FaceRecord]: ...
 
-    async def latest_for_reference(self, tenant_id: str, client_reference: str) -> FaceRecord | None: ...
+    async def latest_for_reference(self, tenant_id: str, client_reference: str) -> FaceRecord | None:
+        """The tenant's record of this client_reference with the newest created_at (of equal ones, the
+        greatest face_id); None when the reference has no face."""
 
     async def delete(self, tenant_id: str, face_id: str) -> None: ...
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -18,8 +17,6 @@ class FakeFaceRecordStore:
     def __init__(self, faults: Faults | None = None) -> None:
         self._faults = faults or Faults()
         self._items: dict[tuple[str, str], FaceRecord] = {}
-        self._order = itertools.count()
-        self._put_order: dict[tuple[str, str], int] = {}
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         self.lock_holders: dict[tuple[str, str], int] = {}
         self.max_lock_holders = 0
@@ -28,10 +25,7 @@ class FakeFaceRecordStore:
     async def put(self, record: FaceRecord) -> None:
         await self._faults.check("records.put")
         _encodable(record.tenant_id, record.face_id, record.client_reference, record.proof_key)
-        key = (record.tenant_id, record.face_id)
-        if key not in self._items:
-            self._put_order[key] = next(self._order)
-        self._items[key] = record
+        self._items[(record.tenant_id, record.face_id)] = record
 
     async def count(self, tenant_id: str) -> int:
         await self._faults.check("records.count")
@@ -53,8 +47,8 @@ class FakeFaceRecordStore:
     async def latest_for_reference(self, tenant_id: str, client_reference: str) -> FaceRecord | None:
         await self._faults.check("records.latest_for_reference")
         candidates = [
-            (record.created_at, self._put_order[key], record)
-            for key, record in self._items.items()
+            (record.created_at, record.face_id, record)
+            for record in self._items.values()
             if record.tenant_id == tenant_id and record.client_reference == client_reference
         ]
         return max(candidates, key=lambda item: item[:2])[2] if candidates else None
@@ -62,7 +56,6 @@ class FakeFaceRecordStore:
     async def delete(self, tenant_id: str, face_id: str) -> None:
         await self._faults.check("records.delete")
         self._items.pop((tenant_id, face_id), None)
-        self._put_order.pop((tenant_id, face_id), None)
 
     async def all_face_ids(self, tenant_id: str | None = None) -> set[tuple[str, str]]:
         await self._faults.check("records.all_face_ids")
