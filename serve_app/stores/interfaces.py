@@ -114,15 +114,23 @@ class FaceRecordStore(Protocol):
 
 
 class GalleryStore(Protocol):
-    async def add(self, entries: Sequence[GalleryEntry]) -> None: ...
+    """Face vectors of one model version. A face_id names one entry across all tenants (the service derives
+    it from a reference_id, unique everywhere). Ids are the service's own (letters, digits and _-.:@, 1-64
+    characters) and vectors have the store's dimension with finite values; anything else raises
+    ValueError before anything is written."""
+
+    async def add(self, entries: Sequence[GalleryEntry]) -> None:
+        """Upsert: an entry replaces the one with its face_id (whatever its tenant). An entry of another
+        model version than the store's raises ValueError."""
 
     async def search(
         self, tenant_id: str, embedding: np.ndarray, limit: int, min_similarity: float
     ) -> list[GalleryMatch]:
         """Most similar enrolled faces of this tenant and the store's model version only, best first, with
-        cosine similarity >= min_similarity."""
+        cosine similarity >= min_similarity; at most `limit` (none when limit <= 0)."""
 
-    async def delete(self, tenant_id: str, face_ids: Sequence[str]) -> None: ...
+    async def delete(self, tenant_id: str, face_ids: Sequence[str]) -> None:
+        """Remove these faces of this tenant; ids unknown or of another tenant are left alone."""
 
     async def all_face_ids(self, tenant_id: str | None = None) -> set[tuple[str, str]]: ...
 

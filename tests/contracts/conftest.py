@@ -225,7 +225,7 @@ def open_gallery(request: pytest.FixtureRequest) -> Opener[GalleryStore]:
     @asynccontextmanager
     async def opener() -> AsyncIterator[GalleryStore]:
         if uri is None:
-            yield FakeGalleryStore()
+            yield FakeGalleryStore(model_version=MODEL_VERSION)
             return
         collection = f"contract_{uuid.uuid4().hex[:8]}"
         store = MilvusGalleryStore(uri, collection, model_version=MODEL_VERSION, dimension=EMBEDDING_SIZE)

@@ -7,6 +7,7 @@ import asyncio
 from serve_app.domain.errors import BackendUnavailable
 
 EMBEDDING_SIZE = 256  # face model v2 (models.embedder.FUSED_DIM)
+MODEL_VERSION = "unit-test-v2"  # of TEST_POLICY and the fake gallery
 
 
 class ManualClock:

@@ -22,7 +22,7 @@ from serve_app.pipelines.proofs import ProofService
 from serve_app.pipelines.transactions import TransactionService
 from tests.unit.fakes.blobs import FakeBlobStore
 from tests.unit.fakes.clients import FakeClientStore, FakeRateLimiter, FakeRequestAdmission
-from tests.unit.fakes.common import Faults, ManualClock
+from tests.unit.fakes.common import MODEL_VERSION, Faults, ManualClock
 from tests.unit.fakes.gallery import FakeGalleryStore
 from tests.unit.fakes.models import ScriptedAnalysis
 from tests.unit.fakes.records import FakeFaceRecordStore
@@ -30,7 +30,7 @@ from tests.unit.fakes.transactions import FakeTransactionStore
 from tests.unit.fakes.work_queue import FakeWorkQueue
 
 TEST_POLICY = ProcessingPolicy(
-    model_version="unit-test-v2",
+    model_version=MODEL_VERSION,
     max_matches=10,
     min_score=0.5,  # fixed, so tests do not depend on gallery sizes unless they ask (min_score=None)
     max_image_pixels=40_000_000,
@@ -62,7 +62,7 @@ class World:
         self.transactions = FakeTransactionStore(self.queue, self.faults)
         if self.records is None:
             self.records = FakeFaceRecordStore(self.faults)
-        self.gallery = FakeGalleryStore(self.faults)
+        self.gallery = FakeGalleryStore(self.faults, self.policy.model_version)
         self.blobs = FakeBlobStore(self.faults)
 
     @property
