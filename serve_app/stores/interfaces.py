@@ -138,7 +138,11 @@ class GalleryStore(Protocol):
 
 
 class BlobStore(Protocol):
-    async def put(self, key: str, data: bytes, content_type: str) -> None: ...
+    """Keys are 1-512 characters of letters, digits, "_", "-" and "/" (no leading, trailing or doubled "/");
+    content types 1-255 printable ASCII characters. Any other key or content type raises ValueError."""
+
+    async def put(self, key: str, data: bytes, content_type: str) -> None:
+        """Store (or replace) the blob under key."""
 
     async def get(self, key: str) -> tuple[bytes, str] | None:
         """(bytes, content_type), or None when absent."""
@@ -147,7 +151,7 @@ class BlobStore(Protocol):
 
     async def sweep(self, keep: Collection[str], older_than_s: float) -> int:
         """Delete every blob not named in `keep` and last written more than older_than_s ago; returns
-        how many were deleted."""
+        how many were deleted. A name in `keep` that is not a valid key is ignored."""
 
 
 class AuditLog(Protocol):
@@ -157,7 +161,7 @@ class AuditLog(Protocol):
         self, tenant_id: str, before: str | None, limit: int
     ) -> tuple[list[AuditEntry], str | None]:
         """Up to `limit` entries, newest first, older than the cursor `before`; and the next cursor (None at
-        the end). A cursor this method did not return raises ValueError."""
+        the end). A value that is not of the form of the cursors this method returns raises ValueError."""
 
 
 @dataclass(frozen=True)

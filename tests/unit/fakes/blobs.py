@@ -5,10 +5,13 @@ from __future__ import annotations
 import time
 from collections.abc import Collection
 
-from tests.unit.fakes.common import Faults, _encodable
+from serve_app.stores.blobs import validate_content_type, validate_key
+from tests.unit.fakes.common import Faults
 
 
 class FakeBlobStore:
+    """Keys and content types are checked by the file store's own rules."""
+
     def __init__(self, faults: Faults | None = None) -> None:
         self._faults = faults or Faults()
         self.items: dict[str, tuple[bytes, str]] = {}
@@ -16,16 +19,19 @@ class FakeBlobStore:
 
     async def put(self, key: str, data: bytes, content_type: str) -> None:
         await self._faults.check("blobs.put")
-        _encodable(key)
+        validate_key(key)
+        validate_content_type(content_type)
         self.items[key] = (bytes(data), content_type)
         self.written_at[key] = time.time()
 
     async def get(self, key: str) -> tuple[bytes, str] | None:
         await self._faults.check("blobs.get")
+        validate_key(key)
         return self.items.get(key)
 
     async def delete(self, key: str) -> None:
         await self._faults.check("blobs.delete")
+        validate_key(key)
         self.items.pop(key, None)
         self.written_at.pop(key, None)
 
