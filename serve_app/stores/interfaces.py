@@ -180,16 +180,20 @@ class ClientStore(Protocol):
         """New client; returns its info and the plaintext secret (shown once, stored hashed)."""
 
     async def verify(self, client_id: str, secret: str) -> ClientInfo | None:
-        """The client if the secret matches and it is not revoked, else None (constant-time compare)."""
+        """The client if the secret matches and it is not revoked, else None (constant-time compare); any
+        str is accepted as a secret, one that is not valid Unicode too."""
 
     async def find_by_secret(self, secret: str) -> ClientInfo | None:
-        """For the Client-Secret header: look the client up by a keyed hash of the secret."""
+        """For the Client-Secret header: look the client up by a keyed hash of the secret; None when no
+        active client has it."""
 
     async def get(self, client_id: str) -> ClientInfo | None: ...
 
-    async def list(self) -> list[ClientInfo]: ...
+    async def list(self) -> list[ClientInfo]:
+        """Every client, revoked ones too, oldest first."""
 
-    async def revoke(self, client_id: str) -> bool: ...
+    async def revoke(self, client_id: str) -> bool:
+        """Mark the client revoked (its secret no longer verifies); False when it is unknown."""
 
     async def update_search_settings(
         self, client_id: str, min_score: float | None, max_matches: int | None
@@ -226,6 +230,8 @@ class RateLimiter(Protocol):
         self, key: str, free_attempts: int, base_s: float, max_s: float, memory_s: float
     ) -> int:
         """Atomically: 0 and count the attempt, unless the key is backing off: then the seconds to wait.
-        After free_attempts attempts the wait before the next one is base_s, doubling up to max_s."""
+        After free_attempts attempts (fewer than 1 count as 1) the wait before the next one is base_s,
+        doubling per attempt up to max_s. reset, or memory_s after the last wait ends without an attempt,
+        forgets them."""
 
     async def reset(self, key: str) -> None: ...

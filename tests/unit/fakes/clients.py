@@ -137,6 +137,7 @@ class FakeRateLimiter:
         self, key: str, free_attempts: int, base_s: float, max_s: float, memory_s: float
     ) -> int:
         # No await before the decision: like the Redis script, check and count are one step.
+        free_attempts = max(1, free_attempts)
         now = self._clock()
         count, blocked_until, forget_at = self._attempts.get(key, (0, 0.0, 0.0))
         if forget_at <= now:
