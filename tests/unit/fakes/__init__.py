@@ -8,8 +8,11 @@ They honour the Protocol semantics the pipelines rely on:
 - gallery: search is filtered by tenant and min_similarity (inner product of unit vectors) and sorted by
   similarity, best first;
 - records: reference_lock is a real mutual-exclusion lock per (tenant, client_reference); the latest face of
-  a reference is the one with the newest created_at;
+  a reference is the one with the newest created_at (of equal ones, the greatest face_id);
 - rate limiter: fixed windows counting every hit, like the Redis limiter.
+
+tests/contracts/ runs one suite per store interface against each fake here and its real store, so a fake
+that drifts from the real store fails there: change a fake together with its contract test.
 
 Every fake yields to the event loop on each call (as a network store would), so concurrent callers really
 interleave, and can be told to fail (`Faults`) to simulate a backend outage or a crash between two steps.
