@@ -30,7 +30,8 @@ class TransactionStore(Protocol):
     async def create_and_enqueue(self, tx: Transaction) -> None:
         """Persist the transaction and put it on the work queue atomically (one MULTI/EXEC)."""
 
-    async def get(self, reference_id: str) -> Transaction | None: ...
+    async def get(self, reference_id: str) -> Transaction | None:
+        """The transaction, or None when unknown (any value that is not an issued reference id is)."""
 
     async def mark_processing(self, reference_id: str) -> Transaction | None:
         """Move QUEUED/PROCESSING → PROCESSING, bump attempts; None if unknown or already final."""

@@ -58,7 +58,9 @@ def test_a_created_transaction_reads_back_field_for_field(open_queue: Opener[Que
             await kit.transactions.create_and_enqueue(tx)
             assert await kit.transactions.get(tx.reference_id) == tx
         assert await kit.transactions.get(new_reference_id()) is None
-        assert await kit.transactions.get("not-an-issued-id") is None
+        # Values that are not issued reference ids are unknown, whatever they hold.
+        for foreign in ("not-an-issued-id", "\ud800", "a" * 31 + "\x00", "queue"):
+            assert await kit.transactions.get(foreign) is None
 
     run_with(open_queue, scenario)
 

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from serve_app.domain.identifiers import is_reference_id
 from serve_app.domain.outcomes import Outcome
 from serve_app.domain.transactions import Transaction, TransactionState
 from serve_app.stores.outcome_codec import decode_outcome, encode_outcome
@@ -46,7 +47,8 @@ class FakeTransactionStore:
 
     async def get(self, reference_id: str) -> Transaction | None:
         await self._faults.check("transactions.get")
-        _encodable(reference_id)
+        if not is_reference_id(reference_id):
+            return None  # never issued, so never stored (as the Redis store answers)
         tx = self._items.get(reference_id)
         return copy.deepcopy(tx) if tx is not None else None
 
