@@ -99,7 +99,8 @@ class FaceRecordStore(Protocol):
 
     def reference_lock(self, tenant_id: str, client_reference: str, timeout_s: float) -> Any:
         """Async context manager: a distributed lock serialising enrolments, overrides and erasures of one
-        client_reference."""
+        client_reference. Waiting for it longer than timeout_s raises BackendUnavailable; a holder keeps it
+        at most timeout_s, then it expires (a holder that died cannot block the reference for longer)."""
 
     async def page(
         self, tenant_id: str, after: str | None, limit: int

@@ -200,3 +200,29 @@ def test_reference_lock_excludes_and_gives_up_after_its_timeout(
             pass
 
     run_with(open_records, scenario)
+
+
+def test_a_reference_lock_expires_timeout_s_after_it_was_taken(open_records: Opener[FaceRecordStore]) -> None:
+    """So a holder that died (or hangs) cannot block the reference for longer than timeout_s."""
+
+    async def scenario(store: FaceRecordStore) -> None:
+        taken, release = asyncio.Event(), asyncio.Event()
+
+        async def stuck_holder() -> None:
+            async with store.reference_lock("tenant-a", "ref-1", 0.3):
+                taken.set()
+                await release.wait()
+
+        task = asyncio.create_task(stuck_holder())
+        await taken.wait()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        async with store.reference_lock("tenant-a", "ref-1", 30.0):
+            waited = loop.time() - started
+        assert waited >= 0.2  # it did wait for the expiry (a lower bound only)
+        release.set()
+        await task  # the expired holder's release takes nothing from anyone
+        async with store.reference_lock("tenant-a", "ref-1", 1.0):
+            pass
+
+    run_with(open_records, scenario)

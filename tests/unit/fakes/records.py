@@ -17,7 +17,7 @@ class FakeFaceRecordStore:
     def __init__(self, faults: Faults | None = None) -> None:
         self._faults = faults or Faults()
         self._items: dict[tuple[str, str], FaceRecord] = {}
-        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._locks: dict[tuple[str, str], tuple[object, float]] = {}  # key -> (holder, expires at)
         self.lock_holders: dict[tuple[str, str], int] = {}
         self.max_lock_holders = 0
         self.lock_acquisitions: list[tuple[str, str]] = []
@@ -66,12 +66,18 @@ class FakeFaceRecordStore:
 
     @contextlib.asynccontextmanager
     async def _lock(self, tenant_id: str, client_reference: str, timeout_s: float) -> AsyncIterator[None]:
+        # Like the Redis lock: waiting gives up after timeout_s, and a holder keeps the lock at most
+        # timeout_s (it expires, so a dead holder cannot block the reference forever).
         key = (tenant_id, client_reference)
-        lock = self._locks.setdefault(key, asyncio.Lock())
-        try:
-            await asyncio.wait_for(lock.acquire(), timeout_s)
-        except TimeoutError:
-            raise BackendUnavailable(f"lock on {client_reference!r} not acquired in {timeout_s}s") from None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while (held := self._locks.get(key)) is not None and held[1] > loop.time():
+            if loop.time() >= deadline:
+                raise BackendUnavailable(f"lock on {client_reference!r} not acquired in {timeout_s}s")
+            # Polls like a blocking Redis lock does.
+            await asyncio.sleep(min(0.002, max(0.0, held[1] - loop.time())))
+        token = object()
+        self._locks[key] = (token, loop.time() + timeout_s)
         self.lock_acquisitions.append(key)
         self.lock_holders[key] = self.lock_holders.get(key, 0) + 1
         self.max_lock_holders = max(self.max_lock_holders, self.lock_holders[key])
@@ -79,7 +85,8 @@ class FakeFaceRecordStore:
             yield
         finally:
             self.lock_holders[key] -= 1
-            lock.release()
+            if (held := self._locks.get(key)) is not None and held[0] is token:
+                del self._locks[key]  # released by its holder; an expired one is not taken from another
 
     async def page(
         self, tenant_id: str, after: str | None, limit: int
