@@ -79,7 +79,10 @@ class WorkQueue(Protocol):
 
 
 class FaceRecordStore(Protocol):
-    async def put(self, record: FaceRecord) -> None: ...
+    async def put(self, record: FaceRecord) -> None:
+        """Store the record, or replace the one with its (tenant, face_id). A face's client_reference never
+        changes (a replacement, as reindexing writes, keeps it): the Redis store's reference indexes are not
+        rewritten, and counts() would go on counting the old reference."""
 
     async def get(self, tenant_id: str, face_id: str) -> FaceRecord | None: ...
 
