@@ -56,10 +56,13 @@ class TransactionStore(Protocol):
 
 class WorkQueue(Protocol):
     async def claim(self, consumer: str, count: int, block_ms: int) -> list[QueueEntry]:
-        """New entries for this consumer (consumer group semantics)."""
+        """Up to `count` new entries for this consumer, oldest first, each handed to one consumer only
+        (consumer group semantics); waits up to block_ms for one when there is none. count < 1 raises
+        BackendUnavailable (Redis refuses COUNT 0), in reclaim_stale too."""
 
     async def reclaim_stale(self, consumer: str, min_idle_ms: int, count: int) -> list[QueueEntry]:
-        """Entries delivered to a consumer that has not acknowledged them for min_idle_ms (it died)."""
+        """Up to `count` entries delivered to a consumer that has not acknowledged them for min_idle_ms (it
+        died), oldest first, now this consumer's; their delivery count grows by one."""
 
     async def renew(self, consumer: str, entry_ids: Sequence[str]) -> list[str]:
         """Renew this consumer's lease on entries it is still working on: their idle time restarts, their
