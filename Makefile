@@ -37,11 +37,13 @@ lint: install
 	$(BIN)/mypy serve_app models facesearch_client  # strict ([tool.mypy])
 	$(BIN)/mypy bench loadtests tests  # annotated and checked, third-party Any allowed ([[tool.mypy.overrides]])
 
+# The contract tests (tests/contracts) run each store interface against its fake and its real store: the
+# fake side with the unit tests, both sides with the integration tests.
 unit: install
-	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q tests/unit tests/contracts -m "not real_stores"
 
 integration: install
-	$(PY) -m pytest -q tests/integration
+	$(PY) -m pytest -q tests/integration tests/contracts
 
 # CI fuzzes with a fixed seed (tests/integration/fuzz_seed.py); this explores new examples, seed printed.
 fuzz-random: install

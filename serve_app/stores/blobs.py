@@ -39,6 +39,14 @@ def validate_key(key: str) -> str:
     return key
 
 
+def validate_content_type(content_type: str) -> str:
+    """The content type itself when it is 1-255 printable ASCII characters; ValueError otherwise (it is
+    sent back as a response header)."""
+    if not _CONTENT_TYPE_RE.fullmatch(content_type):
+        raise ValueError(f"invalid content type {content_type!r}")
+    return content_type
+
+
 def _fsync_directory(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
@@ -75,8 +83,7 @@ class LocalBlobStore:
 
     async def put(self, key: str, data: bytes, content_type: str) -> None:
         path = self._path(key)
-        if not _CONTENT_TYPE_RE.fullmatch(content_type):
-            raise ValueError(f"invalid content type {content_type!r}")
+        validate_content_type(content_type)
         await asyncio.to_thread(self._put_sync, path, bytes(data), content_type)
 
     @staticmethod

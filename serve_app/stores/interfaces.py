@@ -31,7 +31,8 @@ class TransactionStore(Protocol):
     async def create_and_enqueue(self, tx: Transaction) -> None:
         """Persist the transaction and put it on the work queue atomically (one MULTI/EXEC)."""
 
-    async def get(self, reference_id: str) -> Transaction | None: ...
+    async def get(self, reference_id: str) -> Transaction | None:
+        """The transaction, or None when unknown (any value that is not an issued reference id is)."""
 
     async def mark_processing(self, reference_id: str) -> Transaction | None:
         """Move QUEUED/PROCESSING → PROCESSING, bump attempts; None if unknown or already final."""
@@ -48,7 +49,9 @@ class TransactionStore(Protocol):
         """Return the transaction once final, or its latest state when timeout_s passes. seen_pending: the
         caller has just read it, not final, so the store need not read it again before waiting."""
 
-    async def count_by_state(self) -> dict[str, int]: ...
+    async def count_by_state(self) -> dict[str, int]:
+        """TransactionState value -> how many transactions are in that state; every state is present (0
+        when none)."""
 
     async def image_keys_in_flight(self) -> set[str]:
         """Blob keys of the uploads of transactions not yet acknowledged on the work queue."""
@@ -73,10 +76,13 @@ class FinishedTransactions(Protocol):
 
 class WorkQueue(Protocol):
     async def claim(self, consumer: str, count: int, block_ms: int) -> list[QueueEntry]:
-        """New entries for this consumer (consumer group semantics)."""
+        """Up to `count` new entries for this consumer, oldest first, each handed to one consumer only
+        (consumer group semantics); waits up to block_ms for one when there is none. count < 1 raises
+        BackendUnavailable (Redis refuses COUNT 0), in reclaim_stale too."""
 
     async def reclaim_stale(self, consumer: str, min_idle_ms: int, count: int) -> list[QueueEntry]:
-        """Entries delivered to a consumer that has not acknowledged them for min_idle_ms (it died)."""
+        """Up to `count` entries delivered to a consumer that has not acknowledged them for min_idle_ms (it
+        died), oldest first, now this consumer's; their delivery count grows by one."""
 
     async def renew(self, consumer: str, entry_ids: Sequence[str]) -> list[str]:
         """Renew this consumer's lease on entries it is still working on: their idle time restarts, their
@@ -94,22 +100,28 @@ class WorkQueue(Protocol):
     async def ack(self, entry_ids: Sequence[str]) -> None: ...
 
     async def requeue(self, entry: QueueEntry) -> None:
-        """Put the transaction back as a new, never-delivered entry and drop the old one, atomically: used
-        when a backend outage (not the transaction) made an attempt fail, so outages never count towards
-        the poison-message limit."""
+        """Put the transaction back as a new, never-delivered entry (behind those already waiting) and drop
+        the old one, atomically: used when a backend outage (not the transaction) made an attempt fail, so
+        outages never count towards the poison-message limit. An entry no longer pending (acknowledged
+        meanwhile: its transaction is done) is left alone, nothing is put back."""
 
     async def depth(self) -> int:
         """Entries not yet acknowledged (pending + undelivered)."""
 
 
 class FaceRecordStore(Protocol):
-    async def put(self, record: FaceRecord) -> None: ...
+    async def put(self, record: FaceRecord) -> None:
+        """Store the record, or replace the one with its (tenant, face_id). A face's client_reference never
+        changes (a replacement, as reindexing writes, keeps it): the Redis store's reference indexes are not
+        rewritten, and counts() would go on counting the old reference."""
 
     async def get(self, tenant_id: str, face_id: str) -> FaceRecord | None: ...
 
     async def get_many(self, tenant_id: str, face_ids: Sequence[str]) -> dict[str, FaceRecord]: ...
 
-    async def latest_for_reference(self, tenant_id: str, client_reference: str) -> FaceRecord | None: ...
+    async def latest_for_reference(self, tenant_id: str, client_reference: str) -> FaceRecord | None:
+        """The tenant's record of this client_reference with the newest created_at (of equal ones, the
+        greatest face_id); None when the reference has no face."""
 
     async def delete(self, tenant_id: str, face_id: str) -> None: ...
 
@@ -121,7 +133,8 @@ class FaceRecordStore(Protocol):
 
     def reference_lock(self, tenant_id: str, client_reference: str, timeout_s: float) -> Any:
         """Async context manager: a distributed lock serialising enrolments, overrides and erasures of one
-        client_reference."""
+        client_reference. Waiting for it longer than timeout_s raises BackendUnavailable; a holder keeps it
+        at most timeout_s, then it expires (a holder that died cannot block the reference for longer)."""
 
     async def page(
         self, tenant_id: str, after: str | None, limit: int
@@ -144,15 +157,23 @@ class FaceRecordStore(Protocol):
 
 
 class GalleryStore(Protocol):
-    async def add(self, entries: Sequence[GalleryEntry]) -> None: ...
+    """Face vectors of one model version. A face_id names one entry across all tenants (the service derives
+    it from a reference_id, unique everywhere). Ids are the service's own (letters, digits and _-.:@, 1-64
+    characters) and vectors have the store's dimension with finite values; anything else raises
+    ValueError before anything is written."""
+
+    async def add(self, entries: Sequence[GalleryEntry]) -> None:
+        """Upsert: an entry replaces the one with its face_id (whatever its tenant). An entry of another
+        model version than the store's raises ValueError."""
 
     async def search(
         self, tenant_id: str, embedding: np.ndarray, limit: int, min_similarity: float
     ) -> list[GalleryMatch]:
         """Most similar enrolled faces of this tenant and the store's model version only, best first, with
-        cosine similarity >= min_similarity."""
+        cosine similarity >= min_similarity; at most `limit` (none when limit <= 0)."""
 
-    async def delete(self, tenant_id: str, face_ids: Sequence[str]) -> None: ...
+    async def delete(self, tenant_id: str, face_ids: Sequence[str]) -> None:
+        """Remove these faces of this tenant; ids unknown or of another tenant are left alone."""
 
     async def all_face_ids(self, tenant_id: str | None = None) -> set[tuple[str, str]]: ...
 
@@ -167,7 +188,11 @@ class Leases(Protocol):
 
 
 class BlobStore(Protocol):
-    async def put(self, key: str, data: bytes, content_type: str) -> None: ...
+    """Keys are 1-512 characters of letters, digits, "_", "-" and "/" (no leading, trailing or doubled "/");
+    content types 1-255 printable ASCII characters. Any other key or content type raises ValueError."""
+
+    async def put(self, key: str, data: bytes, content_type: str) -> None:
+        """Store (or replace) the blob under key."""
 
     async def get(self, key: str) -> tuple[bytes, str] | None:
         """(bytes, content_type), or None when absent."""
@@ -176,7 +201,7 @@ class BlobStore(Protocol):
 
     async def sweep(self, keep: Collection[str], older_than_s: float) -> int:
         """Delete every blob not named in `keep` and last written more than older_than_s ago; returns
-        how many were deleted."""
+        how many were deleted. A name in `keep` that is not a valid key is ignored."""
 
 
 class ResultArchive(Protocol):
@@ -205,7 +230,7 @@ class AuditLog(Protocol):
         self, tenant_id: str, before: str | None, limit: int
     ) -> tuple[list[AuditEntry], str | None]:
         """Up to `limit` entries, newest first, older than the cursor `before`; and the next cursor (None at
-        the end). A cursor this method did not return raises ValueError."""
+        the end). A value that is not of the form of the cursors this method returns raises ValueError."""
 
 
 @dataclass(frozen=True)
@@ -224,16 +249,20 @@ class ClientStore(Protocol):
         """New client; returns its info and the plaintext secret (shown once, stored hashed)."""
 
     async def verify(self, client_id: str, secret: str) -> ClientInfo | None:
-        """The client if the secret matches and it is not revoked, else None (constant-time compare)."""
+        """The client if the secret matches and it is not revoked, else None (constant-time compare); any
+        str is accepted as a secret, one that is not valid Unicode too."""
 
     async def find_by_secret(self, secret: str) -> ClientInfo | None:
-        """For the Client-Secret header: look the client up by a keyed hash of the secret."""
+        """For the Client-Secret header: look the client up by a keyed hash of the secret; None when no
+        active client has it."""
 
     async def get(self, client_id: str) -> ClientInfo | None: ...
 
-    async def list(self) -> list[ClientInfo]: ...
+    async def list(self) -> list[ClientInfo]:
+        """Every client, revoked ones too, oldest first."""
 
-    async def revoke(self, client_id: str) -> bool: ...
+    async def revoke(self, client_id: str) -> bool:
+        """Mark the client revoked (its secret no longer verifies); False when it is unknown."""
 
     async def update_search_settings(
         self, client_id: str, min_score: float | None, max_matches: int | None
@@ -270,6 +299,8 @@ class RateLimiter(Protocol):
         self, key: str, free_attempts: int, base_s: float, max_s: float, memory_s: float
     ) -> int:
         """Atomically: 0 and count the attempt, unless the key is backing off: then the seconds to wait.
-        After free_attempts attempts the wait before the next one is base_s, doubling up to max_s."""
+        After free_attempts attempts (fewer than 1 count as 1) the wait before the next one is base_s,
+        doubling per attempt up to max_s. reset, or memory_s after the last wait ends without an attempt,
+        forgets them."""
 
     async def reset(self, key: str) -> None: ...

@@ -47,7 +47,9 @@ class RedisClientStore:
         return f"{self._prefix}client-secret:{secret_hmac}"
 
     def _hash(self, secret: str) -> str:
-        return hmac.new(self._pepper, secret.encode(), hashlib.sha256).hexdigest()
+        # surrogatepass: a str that is not valid Unicode (a lone surrogate) hashes to something no issued
+        # secret matches, rather than raising.
+        return hmac.new(self._pepper, secret.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()
 
     @staticmethod
     def _info(client_id: str, fields: dict[str, str]) -> ClientInfo:

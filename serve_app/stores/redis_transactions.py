@@ -159,6 +159,16 @@ redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. (now_ms - gone_after_ms))
 return removed
 """
 
+# Requeue: only an entry still pending (XACK acknowledges it: 1) is dropped and put back as a new entry. One
+# acknowledged meanwhile is done: putting it back would deliver a finished transaction again.
+# KEYS: stream. ARGV: group, entry id, reference_id. Returns 1 when requeued.
+_REQUEUE = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('XDEL', KEYS[1], ARGV[2])
+redis.call('XADD', KEYS[1], '*', 'ref', ARGV[3])
+return 1
+"""
+
 
 def _pairs_to_dict(flat: Sequence[Any]) -> dict[str, str]:
     """HGETALL as returned from a Lua script: [field, value, field, value, ...]."""
@@ -212,6 +222,7 @@ class RedisTransactionStore:
         self._drop_archived = redis.register_script(_DROP_ARCHIVED)
         self._renew = redis.register_script(_RENEW)
         self._prune = redis.register_script(_PRUNE)
+        self._requeue = redis.register_script(_REQUEUE)
 
     @property
     def redis(self) -> Redis:
@@ -504,11 +515,9 @@ class RedisTransactionStore:
             await pipe.execute()
 
     async def requeue(self, entry: QueueEntry) -> None:
-        async with redis_errors(), self._redis.pipeline(transaction=True) as pipe:
-            pipe.xadd(self._stream, {"ref": entry.reference_id})
-            pipe.xack(self._stream, self._group, entry.entry_id)
-            pipe.xdel(self._stream, entry.entry_id)
-            await pipe.execute()
+        async with redis_errors():
+            await self._ensure_group()
+            await self._requeue(keys=[self._stream], args=[self._group, entry.entry_id, entry.reference_id])
 
     async def depth(self) -> int:
         """Entries not yet acknowledged: acknowledged ones are deleted, so this is the stream length."""

@@ -452,7 +452,12 @@ def test_hostile_request_gets_a_clean_4xx(case: Case, caplog: pytest.LogCaptureF
             assert case.error_field in body["errors"], body
         assert "Traceback" not in response.text
         # Refused requests create nothing: only the other tenant's transaction exists.
-        assert await api.world.transactions.count_by_state() == {"queued": 1}
+        assert await api.world.transactions.count_by_state() == {
+            "queued": 1,
+            "processing": 0,
+            "completed": 0,
+            "failed": 0,
+        }
 
     with caplog.at_level(logging.WARNING):
         asyncio.run(scenario())

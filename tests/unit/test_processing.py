@@ -679,18 +679,18 @@ def test_a_tenants_own_minimum_score_and_match_count_come_first() -> None:
         world.analysis.faces_by_color[RED] = [face(probe)]
         for index, score in enumerate((0.3, 0.35, 0.9, 0.95)):
             vector = at_cosine(probe, calibration.cosine_for_score(score), index)
-            await world.enrol(tenant.client_id, f"face-{score}", vector)
+            await world.enrol(tenant.client_id, f"face-{round(score * 100)}", vector)
 
         async def search() -> list[object]:
             tx = await submit_search(world, RED, tenant_id=tenant.client_id, enroll_face=False)
             await world.processor().process(tx.reference_id)
             return [entry[0] for entry in await matched(world, tx)]
 
-        assert await search() == ["face-0.95", "face-0.9"]
+        assert await search() == ["face-95", "face-90"]
         await world.clients.update_search_settings(tenant.client_id, min_score=0.25, max_matches=3)
-        assert await search() == ["face-0.95", "face-0.9", "face-0.35"]
+        assert await search() == ["face-95", "face-90", "face-35"]
         await world.clients.update_search_settings(tenant.client_id, min_score=None, max_matches=None)
-        assert await search() == ["face-0.95", "face-0.9"]
+        assert await search() == ["face-95", "face-90"]
 
     asyncio.run(scenario())
 
@@ -735,7 +735,9 @@ def test_a_probe_below_the_search_bar_cannot_produce_certainty() -> None:
         probe = embedding(1)
         for index, score in enumerate((0.99, 0.35)):
             await world.enrol(
-                TENANT, f"face-{score}", at_cosine(probe, calibration.cosine_for_score(score), index)
+                TENANT,
+                f"face-{round(score * 100)}",
+                at_cosine(probe, calibration.cosine_for_score(score), index),
             )
         poor = quality(enrol_ok=False, search_ok=False, reasons=("small_face", "blurry"))
         world.analysis.faces_by_color[RED] = [face(probe)]
@@ -745,8 +747,8 @@ def test_a_probe_below_the_search_bar_cannot_produce_certainty() -> None:
         await world.processor().process(good.reference_id)
         # Two faces: bar 0.23 (FPIR 1 %); both match, the best with its full score.
         assert [(entry[0], entry[1]) for entry in await matched(world, good)] == [
-            ("face-0.99", pytest.approx(0.99, abs=1e-3)),
-            ("face-0.35", pytest.approx(0.35, abs=1e-3)),
+            ("face-99", pytest.approx(0.99, abs=1e-3)),
+            ("face-35", pytest.approx(0.35, abs=1e-3)),
         ]
 
         weak = await submit_search(world, BLUE, enroll_face=False)
@@ -755,8 +757,8 @@ def test_a_probe_below_the_search_bar_cannot_produce_certainty() -> None:
         assert isinstance(result, FaceSearchOutcome)
         # A ten times stricter FPIR (bar 0.33 for two faces) and every score capped at 0.5.
         assert [(entry[0], entry[1]) for entry in triples(result)] == [
-            ("face-0.99", pytest.approx(TEST_POLICY.low_quality_score_cap)),
-            ("face-0.35", pytest.approx(0.35, abs=1e-3)),
+            ("face-99", pytest.approx(TEST_POLICY.low_quality_score_cap)),
+            ("face-35", pytest.approx(0.35, abs=1e-3)),
         ]
         assert result.probe_quality is not None
         assert result.probe_quality.reasons == ("small_face", "blurry")

@@ -34,7 +34,7 @@ async def record_only(world: World, tenant_id: str, face_id: str, age_s: float) 
 
 async def vector_only(world: World, tenant_id: str, face_id: str) -> None:
     """What a removal interrupted after deleting the vector's record would leave (debris)."""
-    entry = GalleryEntry(face_id, tenant_id, "unit-test-v1", embedding(len(face_id)), time.time())
+    entry = GalleryEntry(face_id, tenant_id, world.policy.model_version, embedding(len(face_id)), time.time())
     await world.gallery.add([entry])
 
 
@@ -43,7 +43,9 @@ def test_reconcile_removes_orphans_on_both_sides_and_keeps_recent_records() -> N
         world = World()
         whole = await world.enrol("tenant-a", "whole", embedding(1))
         await vector_only(world, "tenant-a", "orphan-vector")
-        await vector_only(world, "tenant-b", "whole")  # same face id, other tenant, no record there
+        # Another tenant's vector without a record there (a face id names one vector across tenants, so it
+        # cannot be "whole" too).
+        await vector_only(world, "tenant-b", "whole-b")
         stale = await record_only(world, "tenant-a", "stale-record", age_s=GRACE_S + 60)
         fresh = await record_only(world, "tenant-b", "fresh-record", age_s=5)
 
