@@ -3,8 +3,8 @@ needs it.
 
 Every operational knob is a field below, in a group; its default is written here once and its environment
 variable is derived from the group's prefix (or named by an alias where an older name must keep working).
-The README's configuration table is generated from these fields (`python -m serve_app.settings`), and a unit
-test keeps the two equal.
+The configuration table in docs/configuration.md is generated from these fields
+(`python -m serve_app.settings`), and a unit test keeps the two equal.
 
 Every deployment builds its own Settings in its constructor (no module-level singletons); the launcher and
 the Serve config pass the same environment to all of them.
@@ -29,7 +29,7 @@ MaxMatches = Annotated[int, Field(ge=1, le=100)]
 
 
 class _Group(BaseSettings):
-    # Empty variables mean "unset", as they always did; the names are the public contract (README). Each
+    # Empty variables mean "unset", as they always did; the names are the public contract (docs/configuration.md). Each
     # group says only its prefix; the rest is inherited.
     model_config = SettingsConfigDict(
         env_prefix="FACESEARCH_", env_ignore_empty=True, extra="forbid", frozen=True, populate_by_name=True
@@ -258,7 +258,7 @@ class Settings(_Group):
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
     retention: RetentionSettings = Field(default_factory=RetentionSettings)
 
-    # Read by models.convert itself (models/ knows nothing of this service); listed in the README table.
+    # Read by models.convert itself (models/ knows nothing of this service); listed in the configuration table.
     EXTERNAL_VARIABLES: ClassVar[dict[str, tuple[str, str]]] = {
         "FACESEARCH_MODELS_DIR": (
             "`~/.cache/facesearch/models`",
@@ -318,7 +318,7 @@ def _development_secret(data_dir: Path) -> str:
     return key
 
 
-# --- the README's configuration table, generated from the fields above ---------------------------------
+# --- docs/configuration.md's table, generated from the fields above --------------------------------------
 
 
 def _variable(model: type[BaseSettings], name: str, field: FieldInfo) -> str:

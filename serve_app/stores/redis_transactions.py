@@ -165,7 +165,7 @@ class RedisTransactionStore:
         """finished_ttl_s: expire final transactions after this long (None: keep them).
         done_signal_ttl_s: how long a completion signal outlives the completion, for slow waiters.
         replicas: create_and_enqueue returns only once this many replicas hold the new transaction (WAIT),
-        else raises BackendUnavailable after replica_timeout_ms (see the README's durability contract)."""
+        else raises BackendUnavailable after replica_timeout_ms (see docs/scaling.md, "Redis with failover")."""
         if replicas < 0 or replica_timeout_ms <= 0:
             raise ValueError("replicas must be >= 0 and replica_timeout_ms > 0")
         self._replicas = replicas
