@@ -39,7 +39,7 @@ lint: install
 
 # The documentation site from docs/ into var/site; --strict (mkdocs.yml) fails on a broken link or anchor.
 docs: install
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict  # not --quiet: it hides the warnings that --strict counts
 
 unit: install
 	$(PY) -m pytest -q tests/unit
