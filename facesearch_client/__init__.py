@@ -6,7 +6,7 @@
         for match in result.matches:
             print(match.face_id, match.score, match.client_reference)
 
-See the README, "Python client".
+See docs/gallery.md, "Python client".
 """
 
 from facesearch_client._policy import RetryPolicy

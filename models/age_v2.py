@@ -7,7 +7,7 @@ is cached under the models directory, keyed by the sha256 of both source files.
 Preprocessing is HSE's own: the detector's face box widened by a margin, cropped (clipped to the image),
 resized to 224x224, BGR, minus the Caffe means; the age head is a 100-class softmax over 1..100 years and
 the estimate its expectation. Views (margin, mirror image) were chosen on faces-calib's UTKFace crops with
-`python -m bench.age --choose-views` (table in the README); the monotone correction of the estimate and the
+`python -m bench.age --choose-views` (table in docs/age.md); the monotone correction of the estimate and the
 under_18 / under_21 bands were fitted on the same crops by `python -m bench.age --calibrate`, which writes
 models/age_calibration.json (numbers only). Nothing here was trained: the network's weights are HSE's.
 """

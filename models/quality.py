@@ -14,7 +14,7 @@ Three bars: the enrolment bar (a face stored in a gallery is compared with every
 good) and the looser search bar (a probe below it still searches, but its matches are reported without
 certainty; see serve_app.pipelines.processing). Thresholds were chosen on faces-calib measurements:
 `python -m bench.identification` (what each bar rejects and its effect on FNIR/FPIR) and its
-`--blur-sweep` (sharpness against matching under Gaussian blur); README section "Quality gate".
+`--blur-sweep` (sharpness against matching under Gaussian blur); docs/models.md, "Quality gate".
 
 The age bar (models.quality_bars.AGE_QUALITY_BAR, applied by models.age_policy) is separate: it was chosen
 on faces-wild and faces-calib by what predicts a wrong age estimate (`python -m bench.age` prints what each

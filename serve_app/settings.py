@@ -3,8 +3,8 @@ needs it.
 
 Every operational knob is a field below, in a group; its default is written here once and its environment
 variable is derived from the group's prefix (or named by an alias where an older name must keep working).
-The README's configuration table is generated from these fields (`python -m serve_app.settings`), and a unit
-test keeps the two equal.
+The configuration table in docs/configuration.md is generated from these fields
+(`python -m serve_app.settings`), and a unit test keeps the two equal.
 
 Every deployment builds its own Settings in its constructor, from its replica's environment (no
 module-level singletons, and never a bind argument: Ray would keep the signing key in its stored state).
@@ -30,8 +30,8 @@ MaxMatches = Annotated[int, Field(ge=1, le=100)]
 
 
 class _Group(BaseSettings):
-    # Empty variables mean "unset", as they always did; the names are the public contract (README). Each
-    # group says only its prefix; the rest is inherited.
+    # Empty variables mean "unset", as they always did; the names are the public contract
+    # (docs/configuration.md). Each group says only its prefix; the rest is inherited.
     model_config = SettingsConfigDict(
         env_prefix="FACESEARCH_", env_ignore_empty=True, extra="forbid", frozen=True, populate_by_name=True
     )
@@ -302,7 +302,7 @@ class Settings(_Group):
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
     retention: RetentionSettings = Field(default_factory=RetentionSettings)
 
-    # Read by models.convert itself (models/ knows nothing of this service); listed in the README table.
+    # Read by models.convert itself (models/ knows nothing of this service); in the configuration table.
     EXTERNAL_VARIABLES: ClassVar[dict[str, tuple[str, str]]] = {
         "FACESEARCH_MODELS_DIR": (
             "`~/.cache/facesearch/models`",
@@ -386,7 +386,7 @@ def _development_secret(data_dir: Path) -> str:
     return key
 
 
-# --- the README's configuration table, generated from the fields above ---------------------------------
+# --- docs/configuration.md's table, generated from the fields above --------------------------------------
 
 
 def _variable(model: type[BaseSettings], name: str, field: FieldInfo) -> str:

@@ -1,4 +1,5 @@
-"""The REST interface (see ../shared/INTERFACE.md and the README). Built per replica by create_app()."""
+"""The REST interface (the vendor interface this service implements; the API guide is docs/api.md). Built per
+replica by create_app()."""
 
 from __future__ import annotations
 

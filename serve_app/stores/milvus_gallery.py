@@ -18,7 +18,7 @@
   (tenants are hashed over the collection's partitions, 64 on Milvus 2.3.5). milvus-lite 2.5.1 has no
   partitions: it accepts the schema flag but then rejects every filter ("Invalid expr"), so a throwaway
   probe collection decides once per process, and lite collections keep the plain layout. A collection
-  created before this layout existed (no partition key) is read and written as it is; the README's
+  created before this layout existed (no partition key) is read and written as it is; docs/scaling.md,
   "Milvus at scale" section gives the migration.
 - Index by size (IndexPolicy): exact FLAT up to `flat_max_rows` rows, then HNSW on a Milvus server
   (or IVF_FLAT when configured; milvus-lite stays FLAT unless IVF_FLAT is asked for explicitly). The

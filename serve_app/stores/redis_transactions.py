@@ -193,7 +193,7 @@ class RedisTransactionStore:
         """finished_ttl_s: expire final transactions after this long (None: keep them).
         done_signal_ttl_s: how long a completion signal outlives the completion, for slow waiters.
         replicas: create_and_enqueue returns only once this many replicas hold the new transaction (WAIT),
-        else raises BackendUnavailable after replica_timeout_ms (see the README's durability contract).
+        else raises BackendUnavailable after replica_timeout_ms (see docs/scaling.md, "Redis with failover").
         archive_after_s: > 0: list final transactions for the result archiver (finished_before), which
         moves them out of Redis this long after they became final (pipelines/result_archive.py)."""
         if replicas < 0 or replica_timeout_ms <= 0:

@@ -1,4 +1,4 @@
-"""Settings from the environment, the deploy-config models, the shipped configs and the README's table."""
+"""Settings from the environment, the deploy-config models, the shipped configs and the docs' table."""
 
 from __future__ import annotations
 
@@ -202,12 +202,12 @@ def test_deploy_config_names_match_the_deployments() -> None:
     assert names == set(USER_CONFIGS) == {name for names in DEPLOYMENTS.values() for name in names}
 
 
-def test_the_readme_table_is_the_generated_one() -> None:
-    readme = (ROOT / "README.md").read_text()
-    begin = readme.index("<!-- settings-table")
-    begin = readme.index("\n", begin) + 1
-    end = readme.index("<!-- /settings-table -->")
-    assert readme[begin:end] == markdown_table(), "run `python -m serve_app.settings` and paste its table"
+def test_the_docs_table_is_the_generated_one() -> None:
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    begin = page.index("<!-- settings-table")
+    begin = page.index("\n", begin) + 1
+    end = page.index("<!-- /settings-table -->")
+    assert page[begin:end] == markdown_table(), "run `python -m serve_app.settings` and paste its table"
 
 
 def test_the_in_process_config_asks_for_direct_ingress_on_one_ingress_replica() -> None:

@@ -1,6 +1,6 @@
-"""Gallery management endpoints (an extension beyond the vendor interface; the contract is in the
-README, "Gallery management (extension)"). Same authentication, throttling and envelope as the interface's
-endpoints: the routes declare the Tenant and Services dependencies like every other router.
+"""Gallery management endpoints (an extension beyond the vendor interface; the contract is in
+docs/gallery.md, "Gallery management (extension)"). Same authentication, throttling and envelope as the
+interface's endpoints: the routes declare the Tenant and Services dependencies like every other router.
 
 Query values are read as strings and checked here, so a bad one gets the service's one error envelope (422)
 like every other invalid field, never FastAPI's own body.

@@ -45,7 +45,7 @@ def router() -> APIRouter:
     async def get_proof(proof_token: str, request: Request, services: Services) -> Response:
         try:
             if not is_proof_token(proof_token):
-                # A URL that names no proof: 404 like any tampered token (the README's contract here).
+                # A URL that names no proof: 404 like any tampered token (the proof URL contract).
                 raise NotFound("No proof image exists for this URL.")
             claims = services.signer.verify_proof(proof_token)
             data, content_type = await services.proofs.load(claims.tenant_id, claims.face_id)

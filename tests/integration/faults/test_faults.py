@@ -1,5 +1,5 @@
 """Fault tests against the real application (Ray Serve, embedded redis-server and milvus-lite, real models
-and photos): the README's promise "Nothing accepted is lost", checked by killing replicas, stopping
+and photos): docs/architecture.md's promise "Nothing accepted is lost", checked by killing replicas, stopping
 backends and restarting everything while transactions are in flight.
 
 One service instance is shared by every test in this module (a start costs 15-25 s); the restart test

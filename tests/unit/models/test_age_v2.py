@@ -31,7 +31,7 @@ from models.weights import NPM_WEIGHTS
 from tests.faces_dev import FacesDev
 from tests.unit.models import tfjs_reference
 
-# bench/age.py on the 60 dev age photos (one run, README "Age"): MAE 4.53 years; the bound leaves noise room.
+# bench/age.py on the 60 dev age photos (one run, docs/age.md): MAE 4.53 years; the bound leaves noise room.
 DEV_MAE_BOUND = 5.5
 CALIBRATION = AgeCalibration.load()
 
