@@ -222,6 +222,10 @@ class RedisFaceRecordStore:
                     result.add((tenant, text(face_id)))
         return result
 
+    async def tenant_ids(self) -> list[str]:
+        async with redis_errors():
+            return sorted(text(t) for t in await self._redis.smembers(f"{self._prefix}tenants"))
+
     def reference_lock(self, tenant_id: str, client_reference: str, timeout_s: float) -> Any:
         """Async context manager holding a Redis lock for (tenant, client_reference).
 
