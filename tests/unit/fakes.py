@@ -326,10 +326,12 @@ class FakeFaceRecordStore:
         self.lock_holders: dict[tuple[str, str], int] = {}
         self.max_lock_holders = 0
         self.lock_acquisitions: list[tuple[str, str]] = []
+        self._tenants: set[str] = set()  # as in Redis: a tenant stays listed after its last face goes
 
     async def put(self, record: FaceRecord) -> None:
         await self._faults.check("records.put")
         _encodable(record.tenant_id, record.face_id, record.client_reference, record.proof_key)
+        self._tenants.add(record.tenant_id)
         key = (record.tenant_id, record.face_id)
         if key not in self._items:
             self._put_order[key] = next(self._order)
@@ -369,6 +371,10 @@ class FakeFaceRecordStore:
     async def all_face_ids(self, tenant_id: str | None = None) -> set[tuple[str, str]]:
         await self._faults.check("records.all_face_ids")
         return {key for key in self._items if tenant_id is None or key[0] == tenant_id}
+
+    async def tenant_ids(self) -> list[str]:
+        await self._faults.check("records.tenant_ids")
+        return sorted(self._tenants)
 
     def reference_lock(self, tenant_id: str, client_reference: str, timeout_s: float) -> Any:
         return self._lock(tenant_id, client_reference, timeout_s)
@@ -469,6 +475,15 @@ class FakeGalleryStore:
     async def all_face_ids(self, tenant_id: str | None = None) -> set[tuple[str, str]]:
         await self._faults.check("gallery.all_face_ids")
         return {key for key in self._items if tenant_id is None or key[0] == tenant_id}
+
+    async def page_ids(self, tenant_id: str, after: str | None, limit: int) -> tuple[list[str], str | None]:
+        await self._faults.check("gallery.page_ids")
+        chosen = sorted(f for t, f in self._items if t == tenant_id and (after is None or f > after))[:limit]
+        return chosen, (chosen[-1] if len(chosen) == limit else None)
+
+    async def present(self, tenant_id: str, face_ids: Sequence[str]) -> set[str]:
+        await self._faults.check("gallery.present")
+        return {face_id for face_id in face_ids if (tenant_id, face_id) in self._items}
 
     async def count(self) -> int:
         await self._faults.check("gallery.count")
