@@ -261,6 +261,9 @@ class Reconciler:
         in_flight, tx = await self._transaction(face_id)
         if in_flight:
             return None
+        # Consistent again: no need for the lock (finding a face whole never deletes anything).
+        if await self.records.get(tenant, face_id) is not None:
+            return False
         async with self._locked(tenant, tx.client_reference if tx is not None else None):
             if await self.records.get(tenant, face_id) is not None:
                 return False
@@ -275,11 +278,11 @@ class Reconciler:
         in_flight, _ = await self._transaction(face_id)
         if in_flight:
             return None
+        # Transaction final (read above), then the vector: see the module docstring.
         record = await self.records.get(tenant, face_id)
-        if record is None or not self._current(record):
+        if record is None or not self._current(record) or await self.gallery.present(tenant, [face_id]):
             return False
         async with self._locked(tenant, record.client_reference):
-            # Transaction final (read above), then the vector: see the module docstring.
             if await self.gallery.present(tenant, [face_id]):
                 return False
             record = await self.records.get(tenant, face_id)

@@ -63,6 +63,18 @@ _GRPC_OPTIONS = {
 }
 
 
+class _NoSessionTsNotice(logging.Filter):
+    """milvus-lite answers a query iterator without a session timestamp and pymilvus logs a warning for
+    every iterator it opens (one per batch of a reconciliation scan); the client-side timestamp it falls
+    back to is what a single-process server needs, so the notice says nothing actionable."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "failed to get mvccTs" not in record.getMessage()
+
+
+logging.getLogger("pymilvus.orm.iterator").addFilter(_NoSessionTsNotice())
+
+
 def milvus_string(value: str) -> str:
     """A Milvus expression string literal for `value`: double-quoted, backslash and quote escaped.
     Control characters are refused because the expression lexer does not accept them raw."""
