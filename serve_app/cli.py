@@ -22,6 +22,7 @@ import logging
 import os
 import shlex
 import signal
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -162,22 +163,18 @@ async def _clients(
 
 
 async def _reconcile(settings: Settings) -> int:
-    from models.embedder import MODEL_VERSION
-    from serve_app.pipelines.reconcile import reconcile
-    from serve_app.stores.blobs import LocalBlobStore
-    from serve_app.wiring import gallery_store, redis_stores
+    from serve_app.wiring import build_reconciler
 
-    stores = redis_stores(settings)
-    report = await reconcile(
-        stores.records,
-        gallery_store(settings),
-        LocalBlobStore(settings.blobs),
-        transactions=stores.transactions,
-        orphan_grace_s=settings.retention.orphan_upload_grace_s,
-        model_version=MODEL_VERSION,
-    )
+    reconciler = build_reconciler(settings, f"cli-{socket.gethostname()}-{os.getpid()}")
+    report = await reconciler.run_pass()
+    if report is None:
+        print(
+            "another reconciliation pass is running (a worker holds the lease); try again later",
+            file=sys.stderr,
+        )
+        return 1
     print(json.dumps(dataclasses.asdict(report)))
-    return 0
+    return 0 if report.completed else 1
 
 
 def _add_bulk_options(parser: argparse.ArgumentParser, verb: str) -> None:

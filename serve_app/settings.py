@@ -231,7 +231,23 @@ class WorkerSettings(_Group):
         description="attempts before a transaction that keeps failing is marked `failed`",
     )
     reconcile_every_s: float = Field(
-        600.0, gt=0, description="how often each worker repairs Redis/Milvus drift and sweeps orphaned blobs"
+        600.0,
+        gt=0,
+        description="how often a reconciliation pass (Redis/Milvus drift, orphaned blobs) starts; one pass "
+        "at a time across the cluster, whichever worker takes the lease",
+    )
+    reconcile_grace_s: float = Field(
+        600.0,
+        ge=0,
+        description="a face must stay inconsistent (a vector without its record, or a record of a final "
+        "transaction without its vector) this long, across two reads, before reconciliation repairs it",
+    )
+    reconcile_batch: int = Field(1000, ge=1, description="face ids reconciliation reads per batch")
+    reconcile_lease_s: float = Field(
+        120.0,
+        gt=0,
+        description="the reconciliation lease, renewed after every batch; a worker that dies holding it "
+        "loses it after this and another resumes its pass",
     )
     metrics_every_s: float = Field(5.0, gt=0, description="how often each worker exports its queue gauges")
 

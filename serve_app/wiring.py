@@ -12,13 +12,18 @@ from serve_app.api_wiring import RedisStores as RedisStores
 from serve_app.api_wiring import build_api_services as build_api_services
 from serve_app.api_wiring import gallery_store as gallery_store
 from serve_app.api_wiring import redis_stores as redis_stores
+from serve_app.api_wiring import require
 from serve_app.api_wiring import result_archive as result_archive
 from serve_app.deploy_config import WorkerConfig
 from serve_app.pipelines.analysis import DeadlineAnalysis, FaceAnalysisBackend
 from serve_app.pipelines.processing import ProcessingPolicy, TransactionProcessor
+from serve_app.pipelines.reconcile import ReconcilePolicy, Reconciler
 from serve_app.pipelines.worker import QueueWorker, WorkerPolicy
 from serve_app.settings import Settings
 from serve_app.stores.blobs import LocalBlobStore
+from serve_app.stores.interfaces import GalleryStore
+from serve_app.stores.redis_reconcile import RedisReconcileState
+from serve_app.stores.redis_support import connect_redis
 
 
 def build_processor(settings: Settings, analysis: FaceAnalysisBackend) -> TransactionProcessor:
@@ -63,3 +68,26 @@ def build_worker(
     policy = worker_policy(settings)
     worker = QueueWorker(consumer, stores.transactions, processor, policy, on_processed)
     return worker, stores
+
+
+def build_reconciler(settings: Settings, holder: str, gallery: GalleryStore | None = None) -> Reconciler:
+    """Reconciliation of this process (a worker replica, `facesearch reconcile`); holder names it on the
+    cluster-wide lease. gallery: a store the caller already has (default: a new one)."""
+    stores = redis_stores(settings)
+    worker = settings.worker
+    redis = connect_redis(require(settings.redis.url, "REDIS_URL"))
+    return Reconciler(
+        records=stores.records,
+        gallery=gallery if gallery is not None else gallery_store(settings),
+        transactions=stores.transactions,
+        state=RedisReconcileState(redis, prefix=settings.redis.key_prefix),
+        holder=holder,
+        policy=ReconcilePolicy(
+            grace_s=worker.reconcile_grace_s,
+            batch=worker.reconcile_batch,
+            lease_s=worker.reconcile_lease_s,
+            model_version=MODEL_VERSION,
+            orphan_grace_s=settings.retention.orphan_upload_grace_s,
+        ),
+        blobs=LocalBlobStore(settings.blobs),
+    )

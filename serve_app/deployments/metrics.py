@@ -57,3 +57,40 @@ class WorkerMetrics:
 
     def observe_transaction(self, seconds: float) -> None:
         self._latency.observe(seconds)
+
+
+class ReconcileMetrics:
+    """Reconciliation: faces repaired by this replica's passes (summed over replicas by Prometheus), and when
+    the cluster's last pass completed (read from Redis, so every replica exports the same time)."""
+
+    def __init__(self) -> None:
+        self._repaired = metrics.Counter(
+            "facesearch_reconcile_repaired",
+            "Faces and blobs repaired by reconciliation: a vector without its record deleted (kind=vector), "
+            "a record without its vector removed (kind=record), an orphaned blob swept (kind=blob)",
+            tag_keys=("kind",),
+        )
+        self._last_pass = metrics.Gauge(
+            "facesearch_reconcile_last_pass_timestamp_seconds",
+            "When the last complete reconciliation pass ended (seconds since the epoch)",
+        )
+        self._suspects = metrics.Gauge(
+            "facesearch_reconcile_suspects",
+            "Faces the last pass saw inconsistent and left for a later pass (in their grace period or still "
+            "being enrolled)",
+        )
+
+    def observe_pass(
+        self, vectors_removed: int, records_removed: int, blobs_removed: int, suspects: int
+    ) -> None:
+        for kind, count in (
+            ("vector", vectors_removed),
+            ("record", records_removed),
+            ("blob", blobs_removed),
+        ):
+            if count:
+                self._repaired.inc(count, tags={"kind": kind})
+        self._suspects.set(suspects)
+
+    def observe_last_pass(self, completed_at: float) -> None:
+        self._last_pass.set(completed_at)

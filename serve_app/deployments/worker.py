@@ -12,20 +12,17 @@ from ray import serve
 from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 
-from models.embedder import MODEL_VERSION
 from serve_app.deploy_config import WorkerConfig
 from serve_app.deployments.analysis import FusedAnalysis, InProcessAnalysis, SplitAnalysis
 from serve_app.deployments.autoscaling import BACKLOG_METRIC
-from serve_app.deployments.metrics import WorkerMetrics
+from serve_app.deployments.metrics import ReconcileMetrics, WorkerMetrics
 from serve_app.deployments.models import RunnerBatcher
 from serve_app.domain.errors import BackendUnavailable
 from serve_app.pipelines.analysis import FaceAnalysisBackend
-from serve_app.pipelines.reconcile import reconcile
 from serve_app.pipelines.result_archive import ResultArchiver
 from serve_app.settings import Settings
-from serve_app.stores.blobs import LocalBlobStore
 from serve_app.stores.redis_lease import RedisLease
-from serve_app.wiring import build_worker, gallery_store, result_archive, worker_policy
+from serve_app.wiring import build_reconciler, build_worker, result_archive, worker_policy
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +76,8 @@ class TransactionWorker:
         self._worker, self._stores = build_worker(
             settings, analysis, self._consumer, self._metrics.observe_transaction
         )
+        self._reconciler = build_reconciler(settings, self._consumer)
+        self._reconcile_metrics = ReconcileMetrics()
         self._backlog = 0.0  # last queue depth read for the autoscaler
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -110,27 +109,29 @@ class TransactionWorker:
                     self._worker.in_flight,
                     await self._stores.transactions.count_by_state(),
                 )
+                last_pass = await self._reconciler.state.last_completed()
+                if last_pass is not None:
+                    self._reconcile_metrics.observe_last_pass(last_pass)
             except Exception as error:  # metrics must never stop the worker
                 logger.debug("metrics update failed: %r", error)
             await asyncio.sleep(self._settings.worker.metrics_every_s)
 
     async def _reconcile_periodically(self) -> None:
-        gallery = gallery_store(self._settings)
-        blobs = LocalBlobStore(self._settings.blobs)
+        """Every replica tries every reconcile_every_s; the lease and the time of the last completed pass
+        make that one pass per interval across the cluster (or the rest of a pass whose holder died)."""
+        every_s = self._settings.worker.reconcile_every_s
         while not self._stop.is_set():
-            await asyncio.sleep(self._settings.worker.reconcile_every_s)
+            await asyncio.sleep(every_s)
             try:
-                report = await reconcile(
-                    self._stores.records,
-                    gallery,
-                    blobs,
-                    transactions=self._stores.transactions,
-                    orphan_grace_s=self._settings.retention.orphan_upload_grace_s,
-                    model_version=MODEL_VERSION,
-                )
-                logger.info("reconciliation: %s", report)
+                report = await self._reconciler.run_pass(min_interval_s=every_s)
             except Exception as error:  # a backend outage: try again next round
                 logger.warning("reconciliation failed: %r", error)
+                continue
+            if report is not None:
+                logger.info("reconciliation: %s", report)
+                self._reconcile_metrics.observe_pass(
+                    report.vectors_removed, report.records_removed, report.blobs_removed, report.suspects
+                )
 
     async def _archive_periodically(self) -> None:
         retention = self._settings.retention

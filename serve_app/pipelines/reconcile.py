@@ -1,87 +1,305 @@
-"""Repair faces that exist on only one side of Redis (records) and Milvus (vectors).
+"""Repair faces that exist on only one side of Redis (records) and Milvus (vectors), without ever deleting
+a face that is being enrolled.
 
-Enrolment writes the record first and the vector second, and removal deletes the vector first, so:
-- a vector without a record can only be debris of an interrupted removal: delete it;
-- a record without a vector is an enrolment interrupted between its two writes. Its transaction is retried
-  and completes it, so only records older than the grace period are removed (with their proof image).
-- a record of another face model version (a gallery enrolled before an upgrade) has its vector in that
-  version's own collection, not in this one: it is left alone (kept for re-indexing, never searched).
+Who writes what, in which order:
+- enrolment (processing._add): the record, then the vector, then the transaction becomes final. Faces with
+  a client_reference do both writes under the reference's lock; faces without one take no lock.
+- removal (delete, erasure, override): the vector, then the record, then the proof image.
+- re-indexing: a vector of the current version for a record that exists, then the record; it deletes the
+  vector itself when the record went meanwhile.
+- face ids are "f" + the reference id of the transaction that enrols them, and only the processing of that
+  transaction ever writes that face's record.
+
+Nothing is decided from one snapshot. A pass walks each tenant in bounded batches and notes inconsistent
+faces as suspects (in the ReconcileState, with the time first seen); a suspect is repaired only when a
+later re-check, at least `grace_s` after it was first seen, still finds it inconsistent:
+
+Vectors without a record. Each batch reads the vectors first and their records second. A vector is written
+after its record, so a record read after its vector was seen is found, unless a removal took it: the race
+of reading records before vectors (a face enrolled between the two reads looked like debris and lost its
+vector) cannot happen in this order. The re-check after the grace period reads the face's transaction
+first: while it is not final, an attempt may still write the face, and the suspect waits. Then, under the
+reference's lock (the transaction names the client_reference; the vector does not), the record is read
+again and the vector is deleted only if it is still absent. Under the lock no enrolment of that reference
+is between its two writes, and one that starts later writes its record and then its vector again, so the
+deletion cannot undo it. A face enrolled without a client_reference has no lock; for it the re-read is
+sufficient on its own because its only writer is its own transaction, which the re-check found final
+before reading the record: a final transaction is never processed again (mark_processing refuses it), and
+an attempt that began before it became final (a worker presumed dead whose entry was reclaimed) is bounded
+by the worker's deadlines, far shorter than the grace period. A transaction that is gone (expired after
+its retention period, or a face id not derived from one) has no writer at all.
+
+Records without a vector. The re-check reads the transaction first and the vector second. Once the
+transaction is final its attempt has written the vector (the vector precedes completion), so a vector
+still absent when read after that is truly missing: the enrolment was given up between its two writes, or
+the vector was lost. Such a record and its proof image are removed, under the reference's lock when it has
+one. A record of another face model version (a gallery enrolled before an upgrade) has its vector in that
+version's own collection, not in this one: it is left alone (kept for re-indexing, never searched).
+
+Scale: one pass at a time across the cluster (a lease in the ReconcileState that expires when its holder
+dies, renewed after every batch); tenants and faces are walked in face id order with cursors (records'
+sorted index, Milvus' query iterator), and the cursor is saved after every batch, so a pass interrupted by
+a crash is resumed by the next holder. Memory is one batch of ids, whatever the size of the gallery.
 
 Given the transaction store and an upload grace period, it also sweeps orphaned blobs: uploads and proofs
 that neither a queued transaction nor a face record refers to (an upload whose transaction was never
-created, a file a crash left behind between two deletions), once older than the grace period.
+created, a file a crash left behind between two deletions), once older than the grace period. That sweep
+still gathers every proof key of the gallery in memory (blob file names are key hashes; see the README).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
-from serve_app.stores.interfaces import BlobStore, FaceRecordStore, GalleryStore, TransactionStore
+from serve_app.domain.faces import FaceRecord
+from serve_app.domain.identifiers import is_face_id
+from serve_app.domain.transactions import Transaction
+from serve_app.stores.interfaces import (
+    BlobStore,
+    FaceRecordStore,
+    GalleryStore,
+    ReconcileState,
+    TransactionStore,
+)
+
+logger = logging.getLogger(__name__)
 
 _RECORD_BATCH = 500
+VECTOR = "vector"  # suspect kinds: a vector without a record, a record without a vector
+RECORD = "record"
 
 
 @dataclass(frozen=True)
+class ReconcilePolicy:
+    grace_s: float = 600.0  # how long a face must stay inconsistent before it is repaired
+    batch: int = 1000  # ids per read: the pass's memory, whatever the gallery's size
+    lease_s: float = 120.0  # a holder that stops renewing (it died) loses the lease after this
+    lock_timeout_s: float = 30.0  # waiting for a client_reference's lock
+    model_version: str | None = None  # the gallery's version; records of others are not its business
+    orphan_grace_s: float | None = None  # None: no blob sweep
+
+
+@dataclass
 class ReconcileReport:
-    records: int
-    vectors: int
-    vectors_removed: int
-    records_removed: int
-    records_in_grace: int
+    records: int = 0  # records read by this pass
+    vectors: int = 0  # vectors read by this pass
+    vectors_removed: int = 0
+    records_removed: int = 0
+    suspects: int = 0  # faces seen inconsistent and not (yet) repaired: in their grace period or in flight
     blobs_removed: int = 0
     records_other_version: int = 0
+    completed: bool = False  # False: the lease was lost before the end; the next holder resumes
+    resumed: bool = False  # continued a pass an earlier holder left unfinished
 
 
-async def reconcile(
-    records: FaceRecordStore,
-    gallery: GalleryStore,
-    blobs: BlobStore | None = None,
-    grace_s: float = 600.0,
-    *,
-    transactions: TransactionStore | None = None,
-    orphan_grace_s: float | None = None,
-    model_version: str | None = None,
-) -> ReconcileReport:
-    """model_version: the gallery's version; records of other versions are not this gallery's business."""
-    record_ids = await records.all_face_ids()
-    vector_ids = await gallery.all_face_ids()
-    orphan_vectors = vector_ids - record_ids
-    for tenant_id, face_id in sorted(orphan_vectors):
-        await gallery.delete(tenant_id, [face_id])
-    removed = in_grace = other_version = 0
-    now = time.time()
-    for tenant_id, face_id in sorted(record_ids - vector_ids):
-        record = await records.get(tenant_id, face_id)
-        if record is None:
-            continue
-        if model_version is not None and record.model_version != model_version:
-            other_version += 1
-            continue
-        if now - record.created_at < grace_s:
-            in_grace += 1
-            continue
-        await records.delete(tenant_id, face_id)
-        if blobs is not None:
-            await blobs.delete(record.proof_key)
-        removed += 1
-    blobs_removed = 0
-    if blobs is not None and transactions is not None and orphan_grace_s is not None:
+@dataclass
+class _Cursor:
+    tenant: str
+    phase: str  # "records", "vectors", "suspects" (their re-check), then "done"
+    after: str | None = None
+
+    def dump(self) -> str:
+        return json.dumps({"tenant": self.tenant, "phase": self.phase, "after": self.after})
+
+    @classmethod
+    def load(cls, raw: str) -> _Cursor | None:
+        try:
+            data = json.loads(raw)
+            return cls(str(data["tenant"]), str(data["phase"]), data.get("after"))
+        except (ValueError, KeyError, TypeError):
+            return None  # written by another version: start the pass again
+
+
+_PHASES = ("records", "vectors", "suspects", "done")
+
+
+class _LeaseLost(Exception):
+    pass
+
+
+def reference_id_of(face_id: str) -> str | None:
+    """The reference id of the transaction that enrolled the face (processing.enrolled_face_id)."""
+    return face_id[1:] if is_face_id(face_id) else None
+
+
+@dataclass
+class Reconciler:
+    records: FaceRecordStore
+    gallery: GalleryStore
+    transactions: TransactionStore
+    state: ReconcileState
+    holder: str  # this process' name on the lease
+    policy: ReconcilePolicy = field(default_factory=ReconcilePolicy)
+    blobs: BlobStore | None = None
+    clock: Callable[[], float] = time.time
+
+    async def run_pass(self, min_interval_s: float = 0.0) -> ReconcileReport | None:
+        """One pass over every tenant, or the rest of an interrupted one. None when another process holds
+        the lease, or when the last pass completed less than min_interval_s ago (replicas that each try
+        every min_interval_s then share one pass per interval)."""
+        if not await self.state.acquire_lease(self.holder, self.policy.lease_s):
+            return None
+        try:
+            raw = await self.state.load_cursor()
+            cursor = _Cursor.load(raw) if raw is not None else None
+            if cursor is None and min_interval_s > 0:
+                last = await self.state.last_completed()
+                if last is not None and self.clock() - last < min_interval_s:
+                    return None
+            report = ReconcileReport(resumed=cursor is not None)
+            try:
+                await self._walk(cursor, report)
+            except _LeaseLost:
+                logger.warning("reconciliation lost its lease; the next holder resumes the pass")
+                return report
+            if self.blobs is not None and self.policy.orphan_grace_s is not None:
+                report.blobs_removed = await self._sweep_blobs(self.blobs, self.policy.orphan_grace_s)
+            await self.state.complete_pass(self.clock())
+            report.completed = True
+            return report
+        finally:
+            await self.state.release_lease(self.holder)
+
+    async def _walk(self, cursor: _Cursor | None, report: ReconcileReport) -> None:
+        tenants = await self.records.tenant_ids()
+        for tenant in tenants:
+            if cursor is not None and tenant < cursor.tenant:
+                continue  # done by the holder that left the cursor
+            resume = cursor if cursor is not None and tenant == cursor.tenant else None
+            start = _PHASES.index(resume.phase) if resume is not None and resume.phase in _PHASES else 0
+            for index, phase in enumerate(_PHASES[start:-1], start):
+                after = resume.after if resume is not None and resume.phase == phase else None
+                if phase == "records":
+                    await self._scan_records(tenant, after, report)
+                elif phase == "vectors":
+                    await self._scan_vectors(tenant, after, report)
+                else:
+                    await self._recheck(tenant, report)
+                await self._checkpoint(_Cursor(tenant, _PHASES[index + 1]))
+            cursor = None
+
+    async def _checkpoint(self, cursor: _Cursor) -> None:
+        await self.state.save_cursor(cursor.dump())
+        if not await self.state.renew_lease(self.holder, self.policy.lease_s):
+            raise _LeaseLost
+
+    def _current(self, record: FaceRecord) -> bool:
+        return self.policy.model_version is None or record.model_version == self.policy.model_version
+
+    async def _scan_records(self, tenant: str, after: str | None, report: ReconcileReport) -> None:
+        while True:
+            page, after = await self.records.page(tenant, after, self.policy.batch)
+            report.records += len(page)
+            current = [record.face_id for record in page if self._current(record)]
+            report.records_other_version += len(page) - len(current)
+            with_vector = await self.gallery.present(tenant, current)
+            missing = [face_id for face_id in current if face_id not in with_vector]
+            await self.state.add_suspects(RECORD, tenant, missing, self.clock())
+            if after is None:
+                return
+            await self._checkpoint(_Cursor(tenant, "records", after))
+
+    async def _scan_vectors(self, tenant: str, after: str | None, report: ReconcileReport) -> None:
+        while True:
+            # Vectors first, their records second: see the module docstring.
+            face_ids, after = await self.gallery.page_ids(tenant, after, self.policy.batch)
+            report.vectors += len(face_ids)
+            found = await self.records.get_many(tenant, face_ids)
+            missing = [face_id for face_id in face_ids if face_id not in found]
+            await self.state.add_suspects(VECTOR, tenant, missing, self.clock())
+            if after is None:
+                return
+            await self._checkpoint(_Cursor(tenant, "vectors", after))
+
+    async def _recheck(self, tenant: str, report: ReconcileReport) -> None:
+        seen_before = self.clock() - self.policy.grace_s
+        for kind, repair in ((VECTOR, self._repair_vector), (RECORD, self._repair_record)):
+            kept = 0  # suspects left in place come first in the next batch: skip them
+            while True:
+                due = await self.state.due_suspects(kind, tenant, seen_before, kept, self.policy.batch)
+                settled: list[str] = []
+                for face_id in due:
+                    outcome = await repair(tenant, face_id)
+                    if outcome is None:
+                        kept += 1
+                        continue
+                    settled.append(face_id)
+                    if outcome:
+                        if kind == VECTOR:
+                            report.vectors_removed += 1
+                        else:
+                            report.records_removed += 1
+                await self.state.drop_suspects(kind, tenant, settled)
+                if len(due) < self.policy.batch:
+                    break
+                if not await self.state.renew_lease(self.holder, self.policy.lease_s):
+                    raise _LeaseLost
+            report.suspects += await self.state.count_suspects(kind, tenant)
+
+    async def _transaction(self, face_id: str) -> tuple[bool, Transaction | None]:
+        """(whether the face's transaction may still write it, the transaction)."""
+        reference_id = reference_id_of(face_id)
+        tx = await self.transactions.get(reference_id) if reference_id is not None else None
+        return (tx is not None and not tx.state.is_final), tx
+
+    @contextlib.asynccontextmanager
+    async def _locked(self, tenant: str, client_reference: str | None) -> AsyncIterator[None]:
+        if client_reference is None:
+            yield
+            return
+        async with self.records.reference_lock(tenant, client_reference, self.policy.lock_timeout_s):
+            yield
+
+    async def _repair_vector(self, tenant: str, face_id: str) -> bool | None:
+        """True: the debris vector was deleted; False: consistent now; None: not decidable yet."""
+        in_flight, tx = await self._transaction(face_id)
+        if in_flight:
+            return None
+        # Consistent again: no need for the lock (finding a face whole never deletes anything).
+        if await self.records.get(tenant, face_id) is not None:
+            return False
+        async with self._locked(tenant, tx.client_reference if tx is not None else None):
+            if await self.records.get(tenant, face_id) is not None:
+                return False
+            if not await self.gallery.present(tenant, [face_id]):
+                return False
+            await self.gallery.delete(tenant, [face_id])
+        logger.info("reconciliation: deleted the vector of %s/%s, which has no record", tenant, face_id)
+        return True
+
+    async def _repair_record(self, tenant: str, face_id: str) -> bool | None:
+        """True: the orphaned record was removed; False: consistent now; None: not decidable yet."""
+        in_flight, _ = await self._transaction(face_id)
+        if in_flight:
+            return None
+        # Transaction final (read above), then the vector: see the module docstring.
+        record = await self.records.get(tenant, face_id)
+        if record is None or not self._current(record) or await self.gallery.present(tenant, [face_id]):
+            return False
+        async with self._locked(tenant, record.client_reference):
+            if await self.gallery.present(tenant, [face_id]):
+                return False
+            record = await self.records.get(tenant, face_id)
+            if record is None:
+                return False
+            await self.records.delete(tenant, face_id)
+            if self.blobs is not None:
+                await self.blobs.delete(record.proof_key)
+        logger.info("reconciliation: removed the record of %s/%s, which has no vector", tenant, face_id)
+        return True
+
+    async def _sweep_blobs(self, blobs: BlobStore, orphan_grace_s: float) -> int:
         # Queue first, records second: a transaction acknowledged in between wrote its record before its
         # acknowledgement, so its upload is found on one side or the other.
-        keep = await transactions.image_keys_in_flight()
-        keep |= await _proof_keys(records)
-        blobs_removed = await blobs.sweep(keep, orphan_grace_s)
-    return ReconcileReport(
-        records=len(record_ids),
-        vectors=len(vector_ids),
-        vectors_removed=len(orphan_vectors),
-        records_removed=removed,
-        records_in_grace=in_grace,
-        blobs_removed=blobs_removed,
-        records_other_version=other_version,
-    )
+        keep = await self.transactions.image_keys_in_flight()
+        keep |= await _proof_keys(self.records)
+        return await blobs.sweep(keep, orphan_grace_s)
 
 
 async def _proof_keys(records: FaceRecordStore) -> set[str]:

@@ -129,7 +129,10 @@ class FaceRecordStore(Protocol):
         """How many faces the tenant has enrolled (one set cardinality: cheap)."""
 
     async def all_face_ids(self, tenant_id: str | None = None) -> set[tuple[str, str]]:
-        """(tenant_id, face_id) of every record; used by reconciliation."""
+        """(tenant_id, face_id) of every record (the whole set in memory: small galleries and tests)."""
+
+    async def tenant_ids(self) -> list[str]:
+        """Every tenant that has ever had a face record, sorted."""
 
     def reference_lock(self, tenant_id: str, client_reference: str, timeout_s: float) -> Any:
         """Async context manager: a distributed lock serialising enrolments, overrides and erasures of one
@@ -177,6 +180,13 @@ class GalleryStore(Protocol):
 
     async def all_face_ids(self, tenant_id: str | None = None) -> set[tuple[str, str]]: ...
 
+    async def page_ids(self, tenant_id: str, after: str | None, limit: int) -> tuple[list[str], str | None]:
+        """Up to `limit` of the tenant's face ids in face_id order, after the face id `after`, and the cursor
+        to continue from (None at the end): a scan in bounded batches that can resume in another process."""
+
+    async def present(self, tenant_id: str, face_ids: Sequence[str]) -> set[str]:
+        """Which of these face ids have a vector."""
+
     async def count(self) -> int: ...
 
 
@@ -185,6 +195,43 @@ class Leases(Protocol):
         """Async context manager: one attempt, without waiting, to take the cluster-wide lease `name` for
         at most ttl_s; yields whether it was taken, and gives it back on exit. A holder that dies loses it
         after ttl_s."""
+
+
+class ReconcileState(Protocol):
+    """Reconciliation's own state, shared by every process that may run it (pipelines/reconcile.py): the
+    lease that lets one pass run at a time, the resumable cursor of the pass, the faces seen inconsistent
+    and when first, and when the last pass completed."""
+
+    async def acquire_lease(self, holder: str, ttl_s: float) -> bool:
+        """Take the lease (or keep it, when `holder` has it already) for ttl_s; False when another holds
+        it. A holder that stops renewing loses it after ttl_s."""
+
+    async def renew_lease(self, holder: str, ttl_s: float) -> bool:
+        """Extend the lease by ttl_s from now; False when `holder` no longer has it."""
+
+    async def release_lease(self, holder: str) -> None: ...
+
+    async def load_cursor(self) -> str | None:
+        """Where the unfinished pass stopped (opaque to the store), None when no pass is under way."""
+
+    async def save_cursor(self, cursor: str | None) -> None: ...
+
+    async def add_suspects(self, kind: str, tenant_id: str, face_ids: Sequence[str], seen_at: float) -> None:
+        """Note faces seen inconsistent; a face already noted keeps the time it was first seen."""
+
+    async def due_suspects(
+        self, kind: str, tenant_id: str, seen_before: float, offset: int, limit: int
+    ) -> list[str]:
+        """Up to `limit` noted faces first seen before `seen_before`, oldest first, skipping `offset`."""
+
+    async def drop_suspects(self, kind: str, tenant_id: str, face_ids: Sequence[str]) -> None: ...
+
+    async def count_suspects(self, kind: str, tenant_id: str) -> int: ...
+
+    async def complete_pass(self, at: float) -> None:
+        """Record that a pass completed at `at` and clear its cursor."""
+
+    async def last_completed(self) -> float | None: ...
 
 
 class BlobStore(Protocol):

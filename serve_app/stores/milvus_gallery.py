@@ -75,6 +75,18 @@ _GRPC_OPTIONS = {
 }
 
 
+class _NoSessionTsNotice(logging.Filter):
+    """milvus-lite answers a query iterator without a session timestamp and pymilvus logs a warning for
+    every iterator it opens (one per batch of a reconciliation scan); the client-side timestamp it falls
+    back to is what a single-process server needs, so the notice says nothing actionable."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "failed to get mvccTs" not in record.getMessage()
+
+
+logging.getLogger("pymilvus.orm.iterator").addFilter(_NoSessionTsNotice())
+
+
 def milvus_string(value: str) -> str:
     """A Milvus expression string literal for `value`: double-quoted, backslash and quote escaped.
     Control characters are refused because the expression lexer does not accept them raw."""
@@ -502,6 +514,45 @@ class MilvusGalleryStore:
             return found
 
         return await self._run(scan)
+
+    async def page_ids(self, tenant_id: str, after: str | None, limit: int) -> tuple[list[str], str | None]:
+        expression = f"tenant_id == {milvus_string(_checked_id(tenant_id, 'tenant_id'))}"
+        if after is not None:
+            expression += f" and face_id > {milvus_string(_checked_id(after, 'face_id'))}"
+
+        def first_batch(client: Any) -> list[str]:
+            # A query iterator returns rows in primary key order, which a plain query with a limit does
+            # not promise: its first batch is the next `limit` face ids after the cursor.
+            iterator = client.query_iterator(
+                self._collection, batch_size=limit, filter=expression, output_fields=["face_id"],
+                timeout=self._timeout_s,
+            )  # fmt: skip
+            try:
+                return sorted(str(row["face_id"]) for row in iterator.next())
+            finally:
+                iterator.close()
+
+        face_ids = await self._run(first_batch) if limit > 0 else []
+        return face_ids, (face_ids[-1] if len(face_ids) == limit else None)
+
+    async def present(self, tenant_id: str, face_ids: Sequence[str]) -> set[str]:
+        if not face_ids:
+            return set()
+        tenant = milvus_string(_checked_id(tenant_id, "tenant_id"))
+        ids = [milvus_string(_checked_id(face_id, "face_id")) for face_id in face_ids]
+
+        def query(client: Any) -> set[str]:
+            found: set[str] = set()
+            for start in range(0, len(ids), _BATCH):
+                batch = ", ".join(ids[start : start + _BATCH])
+                rows = client.query(
+                    self._collection, filter=f"tenant_id == {tenant} and face_id in [{batch}]",
+                    output_fields=["face_id"], consistency_level="Strong", timeout=self._timeout_s,
+                )  # fmt: skip
+                found.update(str(row["face_id"]) for row in rows)
+            return found
+
+        return await self._run(query)
 
     async def count(self) -> int:
         return await self._run(self._count)

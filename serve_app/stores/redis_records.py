@@ -241,6 +241,10 @@ class RedisFaceRecordStore:
             raw = await self._redis.get(self._erased_key(tenant_id, client_reference))
         return float(raw) if raw is not None else None
 
+    async def tenant_ids(self) -> list[str]:
+        async with redis_errors():
+            return sorted(text(t) for t in await self._redis.smembers(f"{self._prefix}tenants"))
+
     def reference_lock(self, tenant_id: str, client_reference: str, timeout_s: float) -> Any:
         """Async context manager holding a Redis lock for (tenant, client_reference).
 

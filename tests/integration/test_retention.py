@@ -18,7 +18,6 @@ import pytest
 from serve_app.domain.transactions import TransactionState
 from serve_app.embedded import EmbeddedServices
 from serve_app.pipelines.commands import AgeEstimationCommand, FaceSearchCommand
-from serve_app.pipelines.reconcile import reconcile
 from serve_app.pipelines.transactions import TransactionService
 from serve_app.settings import (
     AuthSettings,
@@ -29,7 +28,7 @@ from serve_app.settings import (
     Settings,
 )
 from serve_app.stores.blobs import LocalBlobStore
-from serve_app.wiring import build_worker, gallery_store, redis_stores
+from serve_app.wiring import build_reconciler, build_worker, gallery_store, redis_stores
 from tests.unit.fakes import Color, ScriptedAnalysis, embedding, face, solid_png
 
 TENANT = "tenant-retention"
@@ -77,6 +76,7 @@ def test_redis_keys_and_blob_files_stay_bounded_over_many_transactions(
         redis = stores.transactions._redis
         blobs = LocalBlobStore(settings.blobs)
         gallery = gallery_store(settings)
+        reconciler = build_reconciler(settings, "retention-test", gallery)
         service = TransactionService(stores.transactions, blobs, settings.limits.max_image_pixels)
         worker, _ = build_worker(settings, analysis, "retention-worker")
         stop = asyncio.Event()
@@ -116,13 +116,8 @@ def test_redis_keys_and_blob_files_stay_bounded_over_many_transactions(
                 # An upload whose transaction was never created (the ingress died in between).
                 await blobs.put(f"uploads/{TENANT}/orphan-{round_}", b"\x89PNG", "image/png")
                 await asyncio.sleep(RETENTION_S + 0.5)
-                report = await reconcile(
-                    stores.records,
-                    gallery,
-                    blobs,
-                    transactions=stores.transactions,
-                    orphan_grace_s=settings.retention.orphan_upload_grace_s,
-                )
+                report = await reconciler.run_pass()
+                assert report is not None and report.completed
                 assert report.blobs_removed == 1  # this round's orphan
                 sizes.append((await redis_keys(), blob_files(settings.blobs)))
             records = await stores.records.all_face_ids(TENANT)

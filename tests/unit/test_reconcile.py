@@ -1,116 +1,396 @@
-"""Reconciliation of face records (Redis) against vectors (Milvus)."""
+"""Reconciliation of face records (Redis) against vectors (Milvus), above the store interfaces.
+
+The same pass against the real stores, interleaved with enrolments, removals and re-indexing:
+tests/integration/test_reconcile_concurrency.py.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
 
-from serve_app.domain.faces import FaceRecord, GalleryEntry
-from serve_app.pipelines.reconcile import ReconcileReport, reconcile
-from tests.unit.fakes import World, embedding
+import numpy as np
+
+from serve_app.domain.faces import FaceRecord, GalleryEntry, GalleryMatch
+from serve_app.domain.outcomes import FaceSearchOutcome
+from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState, new_reference_id
+from serve_app.pipelines.processing import enrolled_face_id
+from serve_app.pipelines.reconcile import ReconcilePolicy, Reconciler, ReconcileReport
+from serve_app.stores.interfaces import GalleryStore
+from tests.unit.fakes import ManualClock, World, embedding
 
 GRACE_S = 600.0
+ENROLLED = FaceSearchOutcome(is_face_found=True, enrolled=True)
+VERSION = "unit-test-v2"  # World's policy
 
 
-def record(tenant_id: str, face_id: str, age_s: float) -> FaceRecord:
-    return FaceRecord(
-        face_id=face_id,
-        tenant_id=tenant_id,
-        client_reference=None,
-        proof_key=f"proofs/{tenant_id}/{face_id}",
-        model_version="unit-test-v1",
-        created_at=time.time() - age_s,
-        reference_id=f"ref-{face_id}",
-    )
+class FakeReconcileState:
+    """ReconcileState in memory; the lease expires on the given clock."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self.lease: tuple[str, float] | None = None  # (holder, expires at)
+        self.cursor: str | None = None
+        self.suspects: dict[tuple[str, str], dict[str, float]] = {}
+        self.last: float | None = None
+        self.renewals_left: int | None = None  # a number: renewals after it fail (the lease is lost)
+
+    def _holder(self) -> str | None:
+        if self.lease is None or self.lease[1] <= self._clock():
+            return None
+        return self.lease[0]
+
+    async def acquire_lease(self, holder: str, ttl_s: float) -> bool:
+        if self._holder() not in (None, holder):
+            return False
+        self.lease = (holder, self._clock() + ttl_s)
+        return True
+
+    async def renew_lease(self, holder: str, ttl_s: float) -> bool:
+        if self.renewals_left is not None:
+            if self.renewals_left == 0:
+                self.lease = None
+            self.renewals_left -= 1
+        if self._holder() != holder:
+            return False
+        self.lease = (holder, self._clock() + ttl_s)
+        return True
+
+    async def release_lease(self, holder: str) -> None:
+        if self._holder() == holder:
+            self.lease = None
+
+    async def load_cursor(self) -> str | None:
+        return self.cursor
+
+    async def save_cursor(self, cursor: str | None) -> None:
+        self.cursor = cursor
+
+    async def add_suspects(self, kind: str, tenant_id: str, face_ids: Sequence[str], seen_at: float) -> None:
+        noted = self.suspects.setdefault((kind, tenant_id), {})
+        for face_id in face_ids:
+            noted.setdefault(face_id, seen_at)
+
+    async def due_suspects(
+        self, kind: str, tenant_id: str, seen_before: float, offset: int, limit: int
+    ) -> list[str]:
+        noted = self.suspects.get((kind, tenant_id), {})
+        due = sorted((at, face_id) for face_id, at in noted.items() if at <= seen_before)
+        return [face_id for _, face_id in due[offset : offset + limit]]
+
+    async def drop_suspects(self, kind: str, tenant_id: str, face_ids: Sequence[str]) -> None:
+        for face_id in face_ids:
+            self.suspects.get((kind, tenant_id), {}).pop(face_id, None)
+
+    async def count_suspects(self, kind: str, tenant_id: str) -> int:
+        return len(self.suspects.get((kind, tenant_id), {}))
+
+    async def complete_pass(self, at: float) -> None:
+        self.last = at
+        self.cursor = None
+
+    async def last_completed(self) -> float | None:
+        return self.last
 
 
-async def record_only(world: World, tenant_id: str, face_id: str, age_s: float) -> FaceRecord:
-    """What an enrolment interrupted between its two writes leaves: record and proof, no vector."""
-    item = record(tenant_id, face_id, age_s)
-    await world.record_store.put(item)
-    await world.blobs.put(item.proof_key, b"proof", "image/png")
-    return item
-
-
-async def vector_only(world: World, tenant_id: str, face_id: str) -> None:
-    """What a removal interrupted after deleting the vector's record would leave (debris)."""
-    entry = GalleryEntry(face_id, tenant_id, world.policy.model_version, embedding(len(face_id)), time.time())
-    await world.gallery.add([entry])
-
-
-def test_reconcile_removes_orphans_on_both_sides_and_keeps_recent_records() -> None:
-    async def scenario() -> None:
-        world = World()
-        whole = await world.enrol("tenant-a", "whole", embedding(1))
-        await vector_only(world, "tenant-a", "orphan-vector")
-        # Another tenant's vector without a record there (a face id names one vector across tenants, so it
-        # cannot be "whole" too).
-        await vector_only(world, "tenant-b", "whole-b")
-        stale = await record_only(world, "tenant-a", "stale-record", age_s=GRACE_S + 60)
-        fresh = await record_only(world, "tenant-b", "fresh-record", age_s=5)
-
-        report = await reconcile(world.record_store, world.gallery, world.blobs, grace_s=GRACE_S)
-
-        assert report == ReconcileReport(
-            records=3, vectors=3, vectors_removed=2, records_removed=1, records_in_grace=1
+class Setup:
+    def __init__(self, grace_s: float = GRACE_S, batch: int = 1000, blob_sweep: bool = False) -> None:
+        self.world = World()
+        self.clock = ManualClock(start=time.time())
+        self.state = FakeReconcileState(self.clock)
+        self.policy = ReconcilePolicy(
+            grace_s=grace_s,
+            batch=batch,
+            lease_s=60,
+            lock_timeout_s=5,
+            model_version=VERSION,
+            orphan_grace_s=3600 if blob_sweep else None,
         )
-        assert await world.gallery.all_face_ids() == {("tenant-a", "whole")}
-        assert await world.record_store.all_face_ids() == {
+
+    def reconciler(self, holder: str = "test", gallery: GalleryStore | None = None) -> Reconciler:
+        return Reconciler(
+            records=self.world.record_store,
+            gallery=gallery if gallery is not None else self.world.gallery,
+            transactions=self.world.transactions,
+            state=self.state,
+            holder=holder,
+            policy=self.policy,
+            blobs=self.world.blobs,
+            clock=self.clock,
+        )
+
+    async def run(self, holder: str = "test", gallery: GalleryStore | None = None) -> ReconcileReport:
+        report = await self.reconciler(holder, gallery).run_pass()
+        assert report is not None and report.completed
+        return report
+
+    async def transaction(self, tenant_id: str, client_reference: str | None = None) -> Transaction:
+        """A face-search transaction with enrolment, as the ingress leaves it: queued."""
+        reference_id = new_reference_id()
+        tx = Transaction(
+            reference_id=reference_id,
+            tenant_id=tenant_id,
+            kind=TransactionKind.FACE_SEARCH,
+            state=TransactionState.QUEUED,
+            created_at=self.clock(),
+            updated_at=self.clock(),
+            image_key=f"uploads/{tenant_id}/{reference_id}",
+            enroll_face=True,
+            client_reference=client_reference,
+        )
+        await self.world.transactions.create_and_enqueue(tx)
+        return tx
+
+    def record(self, tx: Transaction, version: str = VERSION) -> FaceRecord:
+        return FaceRecord(
+            face_id=enrolled_face_id(tx.reference_id),
+            tenant_id=tx.tenant_id,
+            client_reference=tx.client_reference,
+            proof_key=tx.image_key,
+            model_version=version,
+            created_at=tx.created_at,
+            reference_id=tx.reference_id,
+        )
+
+    async def record_only(self, tx: Transaction) -> FaceRecord:
+        """What an enrolment interrupted between its two writes leaves: record and proof, no vector."""
+        record = self.record(tx)
+        await self.world.blobs.put(record.proof_key, b"proof", "image/png")
+        await self.world.record_store.put(record)
+        return record
+
+    async def vector_only(self, tenant_id: str, face_id: str) -> None:
+        """What an interrupted removal leaves: a vector whose record is gone."""
+        entry = GalleryEntry(face_id, tenant_id, VERSION, embedding(len(face_id)), self.clock())
+        await self.world.gallery.add([entry])
+
+
+def run(scenario: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    asyncio.run(scenario())
+
+
+def test_orphans_on_both_sides_are_repaired_once_seen_twice_a_grace_period_apart() -> None:
+    async def scenario() -> None:
+        setup = Setup()
+        whole = await setup.world.enrol("tenant-a", "whole", embedding(1))
+        await setup.vector_only("tenant-a", "orphan-vector")
+        # Another tenant's vector without a record there (a face id names one vector across tenants).
+        await setup.vector_only("tenant-b", "whole-b")
+        gone = setup.record(await setup.transaction("tenant-b"))  # tenant-b had a face once
+        await setup.world.record_store.put(gone)
+        await setup.world.record_store.delete("tenant-b", gone.face_id)
+        given_up = await setup.transaction("tenant-a")
+        stale = await setup.record_only(given_up)
+        await setup.world.transactions.fail(given_up.reference_id, "gave up")
+
+        first = await setup.run()
+        assert (first.vectors_removed, first.records_removed, first.suspects) == (0, 0, 3)
+        assert await setup.world.gallery.all_face_ids() == {
             ("tenant-a", "whole"),
-            ("tenant-b", "fresh-record"),
+            ("tenant-a", "orphan-vector"),
+            ("tenant-b", "whole-b"),
         }
-        assert stale.proof_key not in world.blobs.items
-        assert fresh.proof_key in world.blobs.items
-        assert whole.proof_key in world.blobs.items
+        setup.clock.advance(GRACE_S - 1)
+        assert (await setup.run()).vectors_removed == 0  # first seen less than the grace period ago
 
-    asyncio.run(scenario())
+        setup.clock.advance(1)
+        second = await setup.run()
+        assert (second.vectors_removed, second.records_removed, second.suspects) == (2, 1, 0)
+        assert await setup.world.gallery.all_face_ids() == {("tenant-a", "whole")}
+        assert await setup.world.record_store.all_face_ids() == {("tenant-a", "whole")}
+        assert stale.proof_key not in setup.world.blobs.items
+        assert whole.proof_key in setup.world.blobs.items
+
+    run(scenario)
 
 
-def test_a_record_in_its_grace_period_is_removed_once_the_period_passes() -> None:
+def test_a_record_whose_transaction_is_not_final_is_never_removed() -> None:
     async def scenario() -> None:
-        world = World()
-        item = await record_only(world, "tenant-a", "pending", age_s=30)
-        first = await reconcile(world.record_store, world.gallery, world.blobs, grace_s=60)
-        assert (first.records_removed, first.records_in_grace) == (0, 1)
-        assert await world.record_store.get("tenant-a", "pending") is not None
+        setup = Setup()
+        tx = await setup.transaction("tenant-a", client_reference="alice")
+        await setup.world.transactions.mark_processing(tx.reference_id)
+        record = await setup.record_only(tx)  # the worker died between its two writes
+        for _ in range(3):
+            report = await setup.run()
+            assert (report.records_removed, report.suspects) == (0, 1)
+            setup.clock.advance(GRACE_S * 10)
+        assert await setup.world.record_store.get("tenant-a", record.face_id) == record
 
-        second = await reconcile(world.record_store, world.gallery, world.blobs, grace_s=10)
-        assert (second.records_removed, second.records_in_grace) == (1, 0)
-        assert await world.record_store.get("tenant-a", "pending") is None
-        assert item.proof_key not in world.blobs.items
+        # Its retry is given up: the transaction is final, so the record is an orphan now.
+        await setup.world.transactions.fail(tx.reference_id, "gave up")
+        report = await setup.run()
+        assert (report.records_removed, report.suspects) == (1, 0)
+        assert await setup.world.record_store.get("tenant-a", record.face_id) is None
+        assert record.proof_key not in setup.world.blobs.items
+        assert ("tenant-a", "alice") in setup.world.record_store.lock_acquisitions
 
-    asyncio.run(scenario())
+    run(scenario)
 
 
-def test_without_a_blob_store_records_are_removed_and_blobs_left_alone() -> None:
+def test_a_vector_whose_transaction_is_in_flight_waits_and_debris_is_deleted_under_the_lock() -> None:
     async def scenario() -> None:
-        world = World()
-        item = await record_only(world, "tenant-a", "stale", age_s=GRACE_S * 2)
-        report = await reconcile(world.record_store, world.gallery, None, grace_s=GRACE_S)
-        assert report.records_removed == 1
-        assert await world.record_store.all_face_ids() == set()
-        assert item.proof_key in world.blobs.items
+        setup = Setup(grace_s=0)
+        tx = await setup.transaction("tenant-a", client_reference="bob")
+        await setup.world.transactions.mark_processing(tx.reference_id)
+        face_id = enrolled_face_id(tx.reference_id)
+        await setup.vector_only("tenant-a", face_id)
+        # Another enrolment of the tenant between its two writes (its transaction queued): kept too.
+        await setup.world.record_store.put(setup.record(await setup.transaction("tenant-a")))
+        report = await setup.run()
+        assert (report.vectors_removed, report.suspects) == (0, 2)
 
-    asyncio.run(scenario())
+        await setup.world.transactions.fail(tx.reference_id, "gave up")
+        report = await setup.run()
+        assert (report.vectors_removed, report.suspects) == (1, 1)  # the other record is still in flight
+        assert face_id not in setup.world.gallery.face_ids("tenant-a")
+        assert setup.world.record_store.lock_acquisitions == [("tenant-a", "bob")]
+
+    run(scenario)
 
 
-def test_a_consistent_store_is_left_untouched() -> None:
+class EnrolWhenScanned:
+    """A gallery that lets an enrolment complete (record, then vector) just before the pass reads vectors:
+    the face enrolled between the old pass' two snapshots, which lost its vector."""
+
+    def __init__(self, setup: Setup, inner: GalleryStore) -> None:
+        self._setup = setup
+        self._inner = inner
+        self.enrolled: list[str] = []
+
+    async def _enrol(self) -> None:
+        if not self.enrolled:
+            tx = await self._setup.transaction("tenant-a")
+            record = self._setup.record(tx)
+            await self._setup.world.record_store.put(record)
+            await self._inner.add(
+                [GalleryEntry(record.face_id, "tenant-a", VERSION, embedding(7), record.created_at)]
+            )
+            await self._setup.world.transactions.complete(tx.reference_id, ENROLLED)
+            self.enrolled.append(record.face_id)
+
+    async def add(self, entries: Sequence[GalleryEntry]) -> None:
+        await self._inner.add(entries)
+
+    async def search(
+        self, tenant_id: str, embedding: np.ndarray, limit: int, min_similarity: float
+    ) -> list[GalleryMatch]:
+        return await self._inner.search(tenant_id, embedding, limit, min_similarity)
+
+    async def delete(self, tenant_id: str, face_ids: Sequence[str]) -> None:
+        await self._inner.delete(tenant_id, face_ids)
+
+    async def all_face_ids(self, tenant_id: str | None = None) -> set[tuple[str, str]]:
+        return await self._inner.all_face_ids(tenant_id)
+
+    async def page_ids(self, tenant_id: str, after: str | None, limit: int) -> tuple[list[str], str | None]:
+        await self._enrol()
+        return await self._inner.page_ids(tenant_id, after, limit)
+
+    async def present(self, tenant_id: str, face_ids: Sequence[str]) -> set[str]:
+        return await self._inner.present(tenant_id, face_ids)
+
+    async def count(self) -> int:
+        return await self._inner.count()
+
+
+def test_a_face_enrolled_while_the_pass_reads_is_kept() -> None:
     async def scenario() -> None:
-        world = World()
+        setup = Setup(grace_s=0)
+        await setup.world.enrol("tenant-a", "fearlier", embedding(1))
+        racing = EnrolWhenScanned(setup, setup.world.gallery)
+        await setup.run(gallery=racing)
+        await setup.run()
+        (face_id,) = racing.enrolled
+        assert face_id in setup.world.gallery.face_ids("tenant-a")
+        assert await setup.world.record_store.get("tenant-a", face_id) is not None
+
+    run(scenario)
+
+
+def test_a_consistent_gallery_is_left_untouched_and_read_in_batches() -> None:
+    async def scenario() -> None:
+        setup = Setup(grace_s=0, batch=2)
         for index in range(5):
-            await world.enrol(f"tenant-{index % 2}", f"face-{index}", embedding(index))
-        before_records = await world.record_store.all_face_ids()
-        before_blobs = dict(world.blobs.items)
-        report = await reconcile(world.record_store, world.gallery, world.blobs, grace_s=0)
-        assert report == ReconcileReport(
-            records=5, vectors=5, vectors_removed=0, records_removed=0, records_in_grace=0
+            await setup.world.enrol(f"tenant-{index % 2}", f"face-{index}", embedding(index))
+        before_blobs = dict(setup.world.blobs.items)
+        report = await setup.run()
+        assert (report.records, report.vectors, report.vectors_removed, report.records_removed) == (
+            5,
+            5,
+            0,
+            0,
         )
-        assert await world.record_store.all_face_ids() == before_records
-        assert await world.gallery.all_face_ids() == before_records
-        assert world.blobs.items == before_blobs
-        assert world.faults.calls.get("gallery.delete", 0) == 0
+        assert report.suspects == 0
+        calls = dict(setup.world.faults.calls)
+        assert await setup.world.gallery.all_face_ids() == await setup.world.record_store.all_face_ids()
+        assert setup.world.blobs.items == before_blobs
+        assert calls.get("gallery.delete", 0) == calls.get("records.delete", 0) == 0
+        # Never the whole gallery at once: pages of `batch` ids (3 + 2 per side for 3 + 2 faces).
+        assert calls.get("gallery.all_face_ids", 0) == calls.get("records.all_face_ids", 0) == 0
+        assert calls["gallery.page_ids"] == calls["records.page"] == 2 + 2
 
-    asyncio.run(scenario())
+    run(scenario)
+
+
+def test_records_of_another_model_version_are_left_alone() -> None:
+    async def scenario() -> None:
+        setup = Setup(grace_s=0)
+        tx = await setup.transaction("tenant-a")
+        await setup.world.transactions.complete(tx.reference_id, ENROLLED)
+        old = setup.record(tx, version="unit-test-v1")
+        await setup.world.record_store.put(old)
+        report = await setup.run()
+        assert (report.records_removed, report.records_other_version, report.suspects) == (0, 1, 0)
+        assert await setup.world.record_store.get("tenant-a", old.face_id) == old
+
+    run(scenario)
+
+
+def test_one_pass_at_a_time_and_a_dead_holders_lease_expires() -> None:
+    async def scenario() -> None:
+        setup = Setup()
+        await setup.world.enrol("tenant-a", "face", embedding(1))
+        assert await setup.state.acquire_lease("crashed-worker", 60)
+        assert await setup.reconciler("other").run_pass() is None
+        setup.clock.advance(61)  # the crashed worker never renewed
+        report = await setup.reconciler("other").run_pass()
+        assert report is not None and report.completed
+        assert setup.state.lease is None  # released at the end
+
+    run(scenario)
+
+
+def test_a_pass_that_loses_its_lease_is_resumed_where_it_stopped() -> None:
+    async def scenario() -> None:
+        setup = Setup(grace_s=0, batch=1)
+        for index in range(4):
+            await setup.world.enrol("tenant-a", f"face-{index}", embedding(index))
+        setup.state.renewals_left = 2  # records phase: two batches saved, then the lease is gone
+        interrupted = await setup.reconciler("first").run_pass()
+        assert interrupted is not None and not interrupted.completed
+        assert setup.state.cursor is not None and setup.state.last is None
+
+        setup.state.renewals_left = None
+        resumed = await setup.run("second")
+        assert resumed.resumed
+        assert interrupted.records + resumed.records == 4  # nothing read twice, nothing skipped
+        assert resumed.vectors == 4
+        assert setup.state.cursor is None and setup.state.last == setup.clock()
+
+    run(scenario)
+
+
+def test_replicas_share_one_pass_per_interval() -> None:
+    async def scenario() -> None:
+        setup = Setup()
+        await setup.run()
+        assert await setup.reconciler("replica-2").run_pass(min_interval_s=600) is None
+        setup.clock.advance(600)
+        assert await setup.reconciler("replica-2").run_pass(min_interval_s=600) is not None
+
+    run(scenario)
 
 
 def test_orphaned_blobs_older_than_the_grace_period_are_swept_and_referenced_ones_kept() -> None:
@@ -118,7 +398,8 @@ def test_orphaned_blobs_older_than_the_grace_period_are_swept_and_referenced_one
         from serve_app.pipelines.commands import FaceSearchCommand
         from tests.unit.fakes import solid_png
 
-        world = World()
+        setup = Setup(blob_sweep=True)
+        world = setup.world
         proof = await world.enrol("tenant-a", "whole", embedding(1))
         queued = await world.transaction_service().create_face_search(
             FaceSearchCommand("tenant-a", solid_png((1, 2, 3)), None, allow_override=False, enroll_face=True)
@@ -128,19 +409,8 @@ def test_orphaned_blobs_older_than_the_grace_period_are_swept_and_referenced_one
         for key in (proof.proof_key, queued.image_key, "uploads/tenant-a/never-enqueued"):
             world.blobs.written_at[key] -= 7200
 
-        report = await reconcile(
-            world.record_store,
-            world.gallery,
-            world.blobs,
-            grace_s=GRACE_S,
-            transactions=world.transactions,
-            orphan_grace_s=3600,
-        )
+        report = await setup.run()
         assert report.blobs_removed == 1
-        assert set(world.blobs.items) == {
-            proof.proof_key,
-            queued.image_key,
-            "uploads/tenant-a/fresh-orphan",
-        }
+        assert set(world.blobs.items) == {proof.proof_key, queued.image_key, "uploads/tenant-a/fresh-orphan"}
 
-    asyncio.run(scenario())
+    run(scenario)

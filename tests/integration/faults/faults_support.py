@@ -19,6 +19,7 @@ from serve_app.domain.transactions import Transaction
 from serve_app.settings import Settings
 from serve_app.stores.blobs import LocalBlobStore
 from serve_app.stores.milvus_gallery import MilvusGalleryStore
+from serve_app.stores.redis_reconcile import RedisReconcileState
 from serve_app.stores.redis_records import RedisFaceRecordStore
 from serve_app.stores.redis_support import connect_redis
 from serve_app.stores.redis_transactions import RedisTransactionStore
@@ -103,6 +104,7 @@ class Stores:
     records: RedisFaceRecordStore
     gallery: MilvusGalleryStore
     blobs: LocalBlobStore
+    reconcile_state: RedisReconcileState
 
 
 def with_stores(
@@ -127,6 +129,7 @@ def with_stores(
             records=RedisFaceRecordStore(redis, prefix=settings.redis.key_prefix),
             gallery=gallery,
             blobs=LocalBlobStore(settings.blobs),
+            reconcile_state=RedisReconcileState(redis, prefix=settings.redis.key_prefix),
         )
         try:
             return await operation(stores)

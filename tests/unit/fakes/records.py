@@ -21,6 +21,7 @@ class FakeFaceRecordStore:
         self.lock_holders: dict[tuple[str, str], int] = {}
         self.max_lock_holders = 0
         self.lock_acquisitions: list[tuple[str, str]] = []
+        self._tenants: set[str] = set()  # as in Redis: a tenant stays listed after its last face goes
         self._erased: dict[tuple[str, str], float] = {}
 
     async def mark_erased(self, tenant_id: str, client_reference: str, erased_at: float) -> None:
@@ -34,6 +35,7 @@ class FakeFaceRecordStore:
     async def put(self, record: FaceRecord) -> None:
         await self._faults.check("records.put")
         _encodable(record.tenant_id, record.face_id, record.client_reference, record.proof_key)
+        self._tenants.add(record.tenant_id)
         self._items[(record.tenant_id, record.face_id)] = record
 
     async def count(self, tenant_id: str) -> int:
@@ -69,6 +71,10 @@ class FakeFaceRecordStore:
     async def all_face_ids(self, tenant_id: str | None = None) -> set[tuple[str, str]]:
         await self._faults.check("records.all_face_ids")
         return {key for key in self._items if tenant_id is None or key[0] == tenant_id}
+
+    async def tenant_ids(self) -> list[str]:
+        await self._faults.check("records.tenant_ids")
+        return sorted(self._tenants)
 
     def reference_lock(self, tenant_id: str, client_reference: str, timeout_s: float) -> Any:
         return self._lock(tenant_id, client_reference, timeout_s)
