@@ -96,7 +96,6 @@ def make_tx(tenant: str = "tenant-a", **changes: Any) -> Transaction:
         "enroll_face": True,
         "allow_override": True,
         "client_reference": 'ref "quoted" \\ back',
-        "extra": {"source": "test"},
     }
     fields.update(changes)
     return Transaction(**fields)
