@@ -20,7 +20,7 @@ from serve_app.stores.milvus_gallery import IndexPolicy, MilvusGalleryStore
 from serve_app.stores.redis_admission import RedisRequestAdmission
 from serve_app.stores.redis_audit import RedisAuditLog
 from serve_app.stores.redis_clients import RedisClientStore
-from serve_app.stores.redis_leases import RedisLeases
+from serve_app.stores.redis_lease import RedisLeases
 from serve_app.stores.redis_ratelimit import RedisRateLimiter
 from serve_app.stores.redis_records import RedisFaceRecordStore
 from serve_app.stores.redis_support import connect_redis

@@ -1,7 +1,7 @@
 """Reconciliation's shared state in Redis (the ReconcileState of pipelines/reconcile.py).
 
 Keys (prefix default "fs:"):
-  {p}reconcile:lease                      the holder's id, expiring: one pass at a time across the cluster
+  {p}sys:lease:reconcile                  the holder's id, expiring: one pass at a time (redis_lease.py)
   {p}reconcile:cursor                     where the pass under way stopped (resumed by the next holder)
   {p}reconcile:last-pass                  when the last pass completed (seconds since the epoch)
   {p}reconcile:suspects:{kind}:{tenant}   sorted set face_id -> when it was first seen inconsistent
@@ -13,28 +13,14 @@ from collections.abc import Sequence
 
 from redis.asyncio import Redis
 
+from serve_app.stores.redis_lease import RedisLease
 from serve_app.stores.redis_support import redis_errors, text
-
-# Extend or delete the lease only while this holder has it: a holder whose lease expired and was taken
-# over must never cut the new holder's lease short.
-_RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0
-"""
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-"""
 
 
 class RedisReconcileState:
     def __init__(self, redis: Redis, prefix: str = "fs:") -> None:
         self._redis = redis
-        self._lease = f"{prefix}reconcile:lease"
+        self._lease = RedisLease(redis, "reconcile", prefix)
         self._cursor = f"{prefix}reconcile:cursor"
         self._last = f"{prefix}reconcile:last-pass"
         self._suspects = f"{prefix}reconcile:suspects"
@@ -43,18 +29,13 @@ class RedisReconcileState:
         return f"{self._suspects}:{kind}:{tenant_id}"
 
     async def acquire_lease(self, holder: str, ttl_s: float) -> bool:
-        async with redis_errors():
-            if await self._redis.set(self._lease, holder, nx=True, px=_ms(ttl_s)):
-                return True
-        return await self.renew_lease(holder, ttl_s)
+        return await self._lease.acquire(holder, ttl_s)
 
     async def renew_lease(self, holder: str, ttl_s: float) -> bool:
-        async with redis_errors():
-            return bool(await self._redis.eval(_RENEW, 1, self._lease, holder, _ms(ttl_s)))
+        return await self._lease.renew(holder, ttl_s)
 
     async def release_lease(self, holder: str) -> None:
-        async with redis_errors():
-            await self._redis.eval(_RELEASE, 1, self._lease, holder)
+        await self._lease.release(holder)
 
     async def load_cursor(self) -> str | None:
         async with redis_errors():
@@ -103,7 +84,3 @@ class RedisReconcileState:
         async with redis_errors():
             raw = await self._redis.get(self._last)
         return float(text(raw)) if raw is not None else None
-
-
-def _ms(seconds: float) -> int:
-    return max(1, round(seconds * 1000))
