@@ -26,7 +26,13 @@ class FaceRecord:
         """What writers of this face serialise on (FaceRecordStore.reference_lock): its client_reference,
         whose enrolments, overrides and erasures take the same lock, or, for a face enrolled without one,
         the face itself, in a form no client_reference can take (references refuse control characters)."""
-        return self.client_reference if self.client_reference is not None else f"\x00face:{self.face_id}"
+        return lock_subject(self.face_id, self.client_reference)
+
+
+def lock_subject(face_id: str, client_reference: str | None) -> str:
+    """FaceRecord.lock_subject for a face known by its id and reference alone (a vector whose record is
+    gone, named by its transaction)."""
+    return client_reference if client_reference is not None else f"\x00face:{face_id}"
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ Who writes what, in which order:
 - enrolment (processing._add): the record, then the vector, then the transaction becomes final. Faces with
   a client_reference do both writes under the reference's lock; faces without one take no lock.
 - removal (delete, erasure, override): the vector, then the record, then the proof image.
-- re-indexing: a vector of the current version for a record that exists, then the record; it deletes the
-  vector itself when the record went meanwhile.
+- re-indexing: under the face's lock (FaceRecord.lock_subject), a vector of the current version for a
+  record it has just re-read, then the record.
 - face ids are "f" + the reference id of the transaction that enrols them, and only the processing of that
   transaction ever writes that face's record.
 
@@ -22,9 +22,10 @@ first: while it is not final, an attempt may still write the face, and the suspe
 reference's lock (the transaction names the client_reference; the vector does not), the record is read
 again and the vector is deleted only if it is still absent. Under the lock no enrolment of that reference
 is between its two writes, and one that starts later writes its record and then its vector again, so the
-deletion cannot undo it. A face enrolled without a client_reference has no lock; for it the re-read is
-sufficient on its own because its only writer is its own transaction, which the re-check found final
-before reading the record: a final transaction is never processed again (mark_processing refuses it), and
+deletion cannot undo it. A face enrolled without a client_reference takes its own lock
+(FaceRecord.lock_subject), which only a re-index or a deletion of it takes too; its enrolment takes none,
+and for that the re-read is sufficient on its own because its only enrolling writer is its own
+transaction, which the re-check found final before reading the record: a final transaction is never processed again (mark_processing refuses it), and
 an attempt that began before it became final (a worker presumed dead whose entry was reclaimed) is bounded
 by the worker's deadlines, far shorter than the grace period. A transaction that is gone (expired after
 its retention period, or a face id not derived from one) has no writer at all.
@@ -49,15 +50,15 @@ still gathers every proof key of the gallery in memory (blob file names are key 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from serve_app.domain.faces import FaceRecord
+from serve_app.domain.faces import FaceRecord, lock_subject
 from serve_app.domain.identifiers import is_face_id
 from serve_app.domain.transactions import Transaction
 from serve_app.stores.interfaces import (
@@ -80,7 +81,7 @@ class ReconcilePolicy:
     grace_s: float = 600.0  # how long a face must stay inconsistent before it is repaired
     batch: int = 1000  # ids per read: the pass's memory, whatever the gallery's size
     lease_s: float = 120.0  # a holder that stops renewing (it died) loses the lease after this
-    lock_timeout_s: float = 30.0  # waiting for a client_reference's lock
+    lock_timeout_s: float = 30.0  # waiting for a face's lock (its client_reference's, or its own)
     model_version: str | None = None  # the gallery's version; records of others are not its business
     orphan_grace_s: float | None = None  # None: no blob sweep
 
@@ -248,13 +249,9 @@ class Reconciler:
         tx = await self.transactions.get(reference_id) if reference_id is not None else None
         return (tx is not None and not tx.state.is_final), tx
 
-    @contextlib.asynccontextmanager
-    async def _locked(self, tenant: str, client_reference: str | None) -> AsyncIterator[None]:
-        if client_reference is None:
-            yield
-            return
-        async with self.records.reference_lock(tenant, client_reference, self.policy.lock_timeout_s):
-            yield
+    def _locked(self, tenant: str, subject: str) -> Any:
+        # The lock every writer and remover of the face takes (FaceRecord.lock_subject).
+        return self.records.reference_lock(tenant, subject, self.policy.lock_timeout_s)
 
     async def _repair_vector(self, tenant: str, face_id: str) -> bool | None:
         """True: the debris vector was deleted; False: consistent now; None: not decidable yet."""
@@ -264,7 +261,9 @@ class Reconciler:
         # Consistent again: no need for the lock (finding a face whole never deletes anything).
         if await self.records.get(tenant, face_id) is not None:
             return False
-        async with self._locked(tenant, tx.client_reference if tx is not None else None):
+        async with self._locked(
+            tenant, lock_subject(face_id, tx.client_reference if tx is not None else None)
+        ):
             if await self.records.get(tenant, face_id) is not None:
                 return False
             if not await self.gallery.present(tenant, [face_id]):
@@ -282,7 +281,7 @@ class Reconciler:
         record = await self.records.get(tenant, face_id)
         if record is None or not self._current(record) or await self.gallery.present(tenant, [face_id]):
             return False
-        async with self._locked(tenant, record.client_reference):
+        async with self._locked(tenant, record.lock_subject):
             if await self.gallery.present(tenant, [face_id]):
                 return False
             record = await self.records.get(tenant, face_id)
