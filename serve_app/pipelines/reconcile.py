@@ -25,10 +25,11 @@ is between its two writes, and one that starts later writes its record and then 
 deletion cannot undo it. A face enrolled without a client_reference takes its own lock
 (FaceRecord.lock_subject), which only a re-index or a deletion of it takes too; its enrolment takes none,
 and for that the re-read is sufficient on its own because its only enrolling writer is its own
-transaction, which the re-check found final before reading the record: a final transaction is never processed again (mark_processing refuses it), and
-an attempt that began before it became final (a worker presumed dead whose entry was reclaimed) is bounded
-by the worker's deadlines, far shorter than the grace period. A transaction that is gone (expired after
-its retention period, or a face id not derived from one) has no writer at all.
+transaction, which the re-check found final before reading the record: a final transaction is never
+processed again (mark_processing refuses it), and an attempt that began before it became final (a worker
+presumed dead whose entry was reclaimed) is bounded by the worker's deadlines, far shorter than the grace
+period. A transaction that is gone (expired after its retention period, or a face id not derived from
+one) has no writer at all.
 
 Records without a vector. The re-check reads the transaction first and the vector second. Once the
 transaction is final its attempt has written the vector (the vector precedes completion), so a vector
