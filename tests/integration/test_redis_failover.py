@@ -98,6 +98,12 @@ class Group:
             for port in self.sentinel_ports
         }
 
+    def settled_master(self) -> bool:
+        masters = self.master_by_sentinels()
+        if len(masters) != 1 or not (port := next(iter(masters))).isdigit():
+            return False
+        return "role:master" in command(int(port), self.password, "INFO", "replication")
+
     @property
     def url(self) -> str:
         hosts = ",".join(f"127.0.0.1:{port}" for port in self.sentinel_ports)
@@ -214,8 +220,11 @@ def test_no_answered_transaction_is_lost_when_the_master_dies(group: Group) -> N
             await asyncio.wait_for(
                 asyncio.gather(*(client() for _ in range(8)), bring_back_old_master()), HANG_GUARD_S * 2
             )
-            assert restarted and killed.is_set()
-            assert group.master_by_sentinels() == {str(group.replica_port)}  # failed over
+            assert restarted and killed.is_set()  # the replica was promoted before the restart
+            # On a busy box the sentinels may fail over again once the old master is back (its
+            # replica then holds every acknowledged write, WAIT 1): what matters is that they agree on
+            # one master that answers as one, and that nothing answered is missing from it.
+            await asyncio.to_thread(wait_for, group.settled_master)
             # Everything answered is on the new master, queued for the workers.
             missing = [ref for ref in accepted if await store.get(ref) is None]
             assert missing == []
