@@ -166,13 +166,14 @@ class ConvertedSpec:
     built_from: str  # for the error message
 
 
+# Bumped when the TFJS converter's output changes, so a file from an older converter is not taken for it.
+FACERES_CONVERTER_REVISION = 1
+
+
 def _faceres_file_name() -> str:
-    # Keyed by both npm files' hashes and the converter's revision (bumped when its output changes).
+    # Keyed by both npm files' hashes and the converter's revision.
     digest = hashlib.sha256("".join(sha for _, sha in NPM_WEIGHTS["faceres_deep"].files).encode()).hexdigest()
     return f"faceres_deep-r{FACERES_CONVERTER_REVISION}-{digest[:16]}.onnx"
-
-
-FACERES_CONVERTER_REVISION = 1
 
 CONVERTED: dict[str, ConvertedSpec] = {
     spec.name: spec
