@@ -175,6 +175,7 @@ def _faceres_file_name() -> str:
     digest = hashlib.sha256("".join(sha for _, sha in NPM_WEIGHTS["faceres_deep"].files).encode()).hexdigest()
     return f"faceres_deep-r{FACERES_CONVERTER_REVISION}-{digest[:16]}.onnx"
 
+
 CONVERTED: dict[str, ConvertedSpec] = {
     spec.name: spec
     for spec in (
