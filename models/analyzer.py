@@ -34,7 +34,6 @@ from models.age_v2 import (
     AgeBands,
     AgeCalibration,
     FaceresAgeEstimator,
-    ensure_faceres_model,
     face_views,
 )
 from models.align import FaceAligner
@@ -42,16 +41,14 @@ from models.arrays import to_rgb
 from models.calibration import FaceScoreCalibration
 from models.chips import CHIP_SIZE as SFACE_CHIP_SIZE
 from models.chips import aligned_chips
-from models.convert import CHIP_SIZE as DESCRIPTOR_CHIP_SIZE
-from models.convert import ensure_descriptor_model
 from models.detector import DetectorOptions, FaceDetector, LetterboxedImage, letterbox
+from models.embedder import CHIP_SIZE as DESCRIPTOR_CHIP_SIZE
 from models.embedder import FaceEmbedder, FusedEmbedder, SFaceEmbedder
 from models.quality import DEFAULT_QUALITY_THRESHOLDS, QualityThresholds, assess_quality
 from models.sessions import DEFAULT_PROVIDER_PREFERENCE, SessionOptions
-from models.sface import ensure_sface_model
 from models.types import AgeEstimate, AnalyzedFace, DetectedFace, FaceQuality
 from models.types import largest_face as largest_face  # re-exported: callers import it from here
-from models.weights import resolve
+from models.weights import converted, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +60,7 @@ DESCRIPTOR_CHIP_PADDING = 0.25
 class ModelConfig:
     """What to load and how to run it; the defaults are the measured operating points."""
 
-    models_dir: Path | None = None  # cache of converted models; None: models.convert.default_models_dir()
+    models_dir: Path | None = None  # the converted models; None: models.weights.default_models_dir()
     intra_op_threads: int = 1
     inter_op_threads: int = 1
     allow_spinning: bool = False  # see SessionOptions: off is faster wherever cores are shared
@@ -108,7 +105,8 @@ class ModelConfig:
             return "fallback"
         return "warn" if self.allow_cpu_fallback else "fail"
 
-    # Each loader verifies its weight file by sha256 (WeightFileError names the file and the fix).
+    # Each loader verifies its weight files by sha256 (WeightFileError names the file and the fix); the
+    # converted ones are built beforehand by `facesearch models fetch`, never here.
     def load_detector(self) -> FaceDetector:
         return FaceDetector(resolve("yunet_2023mar_int8bq"), self.detector, self.session_options())
 
@@ -119,17 +117,18 @@ class ModelConfig:
         """Face model v2: dlib ResNet and SFace, fused into one vector with the calibrated weights."""
         options = self.session_options()
         return FusedEmbedder(
-            FaceEmbedder(ensure_descriptor_model(self.models_dir), options),
-            SFaceEmbedder(ensure_sface_model(self.models_dir), options),
+            FaceEmbedder(converted("dlib_resnet_v1", self.models_dir), options),
+            SFaceEmbedder(converted("sface_2021dec_int8bq", self.models_dir), options),
             FaceScoreCalibration.load(),
         )
 
     def load_age_estimator(self) -> FaceresAgeEstimator:
-        """age-v2 (faceres-deep); fetches and converts it on first use if install did not."""
+        """age-v2 (faceres-deep), converted by `facesearch models fetch`."""
         calibration = AgeCalibration.load()
         if self.age_bands is not None:
             calibration = dataclasses.replace(calibration, bands=self.age_bands)
-        return FaceresAgeEstimator(ensure_faceres_model(self.models_dir), self.session_options(), calibration)
+        model = converted("faceres_deep", self.models_dir)
+        return FaceresAgeEstimator(model, self.session_options(), calibration)
 
     def letterboxer(self) -> Callable[[np.ndarray], LetterboxedImage]:
         """The detector's image preparation, for a process that sends letterboxed images to a detector

@@ -13,18 +13,23 @@ from pathlib import Path
 import numpy as np
 
 from models.calibration import FaceScoreCalibration
-from models.convert import CHIP_SIZE, DESCRIPTOR_DIM, INPUT_NAME, OUTPUT_NAME
+from models.chips import CHIP_SIZE as SFACE_CHIP_SIZE
 from models.errors import ModelFormatError
 from models.sessions import SessionOptions, create_session
-from models.sface import CHIP_SIZE as SFACE_CHIP_SIZE
-from models.sface import EMBEDDING_DIM as SFACE_DIM
-from models.sface import INPUT_NAME as SFACE_INPUT
-from models.sface import OUTPUT_NAME as SFACE_OUTPUT
 
 # The served face model's version and vector size live in models.types (no model library behind them), so
 # the ingress can name the gallery's collection without loading the models; re-exported here.
 from models.types import FUSED_DIM as FUSED_DIM
 from models.types import MODEL_VERSION as MODEL_VERSION
+
+# The converted models' interfaces: model_build writes its graphs with exactly these names and sizes.
+CHIP_SIZE = 150  # dlib's ResNet descriptor chip
+DESCRIPTOR_DIM = 128
+INPUT_NAME = "chips"
+OUTPUT_NAME = "descriptors"
+SFACE_DIM = 128
+SFACE_INPUT = "chips"
+SFACE_OUTPUT = "embeddings"
 
 CHIP_SHAPE = (CHIP_SIZE, CHIP_SIZE, 3)
 SFACE_CHIP_SHAPE = (SFACE_CHIP_SIZE, SFACE_CHIP_SIZE, 3)
@@ -42,7 +47,7 @@ class FaceEmbedder:
         if inputs != [INPUT_NAME] or outputs != [OUTPUT_NAME]:
             raise ModelFormatError(
                 f"{model_path}: expected input {INPUT_NAME!r} and output {OUTPUT_NAME!r}, found "
-                f"{inputs} -> {outputs}; regenerate it with `python -m models.convert`"
+                f"{inputs} -> {outputs}; regenerate it with `facesearch models fetch`"
             )
         self.model_path = model_path
 
@@ -71,7 +76,7 @@ class SFaceEmbedder:
         if inputs != [SFACE_INPUT] or outputs != [SFACE_OUTPUT]:
             raise ModelFormatError(
                 f"{model_path}: expected input {SFACE_INPUT!r} and output {SFACE_OUTPUT!r}, found "
-                f"{inputs} -> {outputs}; regenerate it with `python -m models.convert`"
+                f"{inputs} -> {outputs}; regenerate it with `facesearch models fetch`"
             )
         self.model_path = model_path
 

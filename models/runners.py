@@ -28,8 +28,8 @@ from models.analyzer import (
     probe_embedder,
 )
 from models.chips import CHIP_SIZE as SFACE_CHIP_SIZE
-from models.convert import CHIP_SIZE as DLIB_CHIP_SIZE
 from models.detector import FaceDetector, LetterboxedImage
+from models.embedder import CHIP_SIZE as DLIB_CHIP_SIZE
 from models.embedder import FUSED_DIM, FusedEmbedder
 from models.types import AgeEstimate, AnalyzedFace, DetectedFace
 

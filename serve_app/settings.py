@@ -318,7 +318,7 @@ class Settings(_Group):
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
     retention: RetentionSettings = Field(default_factory=RetentionSettings)
 
-    # Read by models.convert itself (models/ knows nothing of this service); in the configuration table.
+    # Read by models.weights and model_build (models/ knows nothing of this service); in the config table.
     EXTERNAL_VARIABLES: ClassVar[dict[str, tuple[str, str]]] = {
         "FACESEARCH_MODELS_DIR": (
             "`~/.cache/facesearch/models`",

@@ -339,9 +339,6 @@ class RateLimiter(Protocol):
     async def hit(self, key: str, limit: int, window_s: int) -> int:
         """Count one event for key; return 0 when allowed, else seconds until the window frees up."""
 
-    async def peek(self, key: str, limit: int, window_s: int) -> int:
-        """Like hit, without counting: 0 while under the limit, else seconds until the window frees up."""
-
     async def attempt(
         self, key: str, free_attempts: int, base_s: float, max_s: float, memory_s: float
     ) -> int:

@@ -1,4 +1,4 @@
-"""Rate limiting in Redis: fixed windows (hit/peek) and attempts with a growing back-off (attempt).
+"""Rate limiting in Redis: fixed windows (hit) and attempts with a growing back-off (attempt).
 
 Keys (prefix default "fs:"):
   {p}rl:{sha256(key)}   a fixed window's counter, or an attempt key's hash {n: attempts, until: ms}
@@ -89,19 +89,6 @@ class RedisRateLimiter:
         async with redis_errors():
             count, ttl_ms = await self._hit(keys=[self._key(key)], args=[window_ms(window_s)])
         return window_verdict(count, ttl_ms, limit)
-
-    async def peek(self, key: str, limit: int, window_s: int) -> int:
-        """Like hit() without counting: seconds until the window ends when `limit` events were already
-        counted in it (the next hit would be refused), else 0."""
-        async with redis_errors(), self._redis.pipeline(transaction=True) as pipe:
-            pipe.get(self._key(key))
-            pipe.pttl(self._key(key))
-            raw_count, ttl_ms = await pipe.execute()
-        if raw_count is None or int(raw_count) < limit:
-            return 0
-        if int(ttl_ms) < 0:
-            return max(1, int(window_s))
-        return max(1, math.ceil(int(ttl_ms) / 1000))
 
     async def attempt(
         self, key: str, free_attempts: int, base_s: float, max_s: float, memory_s: float

@@ -38,7 +38,7 @@ from typing import Any
 import httpx
 import yaml
 
-from models.convert import default_models_dir
+from models.weights import default_models_dir
 from serve_app.deploy_config import parse_serve_config
 from serve_app.embedded import EmbeddedRedis
 from tests.faces_dev import load_faces_dev

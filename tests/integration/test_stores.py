@@ -591,11 +591,9 @@ def test_rate_limiter(servers: EmbeddedServices) -> None:
         limiter = RedisRateLimiter(redis, prefix=prefix())
         try:
             assert [await limiter.hit("k", 3, 1) for _ in range(3)] == [0, 0, 0]
-            assert await limiter.peek("k", 3, 1) == 1
             assert await limiter.hit("k", 3, 1) == 1
             assert await limiter.hit("other", 3, 1) == 0
             await limiter.reset("k")
-            assert await limiter.peek("k", 3, 1) == 0
             assert await limiter.hit("k", 1, 1) == 0
             assert await limiter.hit("k", 1, 1) == 1
             await asyncio.sleep(1.1)  # the window ends
@@ -619,15 +617,15 @@ def test_request_admission_checks_the_client_and_counts_in_one_step(servers: Emb
             assert [await admission.admit(active.client_id, 2, 60) for _ in range(2)] == [Admission(True)] * 2
             over = await admission.admit(active.client_id, 2, 60)
             assert over.active and 1 <= over.retry_after_s <= 60
-            # The same counter the limiter keeps for the Client-Secret path.
-            assert await limiter.peek(request_counter_key(active.client_id), 3, 60) >= 1
+            # The same counter the limiter keeps for the Client-Secret path: a fourth event is over 3.
+            assert await limiter.hit(request_counter_key(active.client_id), 3, 60) >= 1
 
             revoked, _ = await clients.create("revoked")
             assert await clients.revoke(revoked.client_id)
             for unknown in (revoked.client_id, new_client_id(), "not-a-client-id"):
                 assert await admission.admit(unknown, 2, 60) == Admission(active=False)
-            # Nothing was counted for them.
-            assert await limiter.peek(request_counter_key(revoked.client_id), 1, 60) == 0
+            # Nothing was counted for them: a hit under their key is the first of its window.
+            assert await limiter.hit(request_counter_key(revoked.client_id), 1, 60) == 0
         finally:
             await redis.aclose()
 

@@ -126,13 +126,6 @@ class FakeRateLimiter:
         self._windows[key] = (end, count + 1)
         return 0 if count + 1 <= limit else self._seconds_left(end)
 
-    async def peek(self, key: str, limit: int, window_s: int) -> int:
-        await asyncio.sleep(0)
-        window = self._current(key)
-        if window is None or window[1] < limit:
-            return 0
-        return self._seconds_left(window[0])
-
     async def attempt(
         self, key: str, free_attempts: int, base_s: float, max_s: float, memory_s: float
     ) -> int:

@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
+from model_build.npm_fetch import ensure_npm_files
+from model_build.tfjs import read_graph_model
 from models.age_v2 import (
     AGE_CLASS_VALUES,
     CALIBRATION_FILE,
@@ -21,15 +23,12 @@ from models.age_v2 import (
     round_age,
 )
 from models.analyzer import FaceAnalyzer, ModelConfig, largest_face, load_face_analyzer
-from models.convert import default_models_dir
 from models.errors import ModelFormatError
-from models.npm_fetch import ensure_npm_files
 from models.sessions import SessionOptions
-from models.tfjs import read_graph_model
 from models.types import AgeEstimate
-from models.weights import NPM_WEIGHTS
+from models.weights import NPM_WEIGHTS, default_models_dir
 from tests.faces_dev import FacesDev
-from tests.unit.models import tfjs_reference
+from tests.unit.model_build import tfjs_reference
 
 # bench/age.py on the 60 dev age photos (one run, docs/age.md): MAE 4.53 years; the bound leaves noise room.
 DEV_MAE_BOUND = 5.5

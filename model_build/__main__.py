@@ -1,0 +1,3 @@
+from model_build.fetch import main
+
+raise SystemExit(main())
