@@ -6,6 +6,9 @@ faces-wild (FairFace photos, perceived-age groups), faces-dev and faces-calib; a
     python -m bench.age --baseline-calibration OLD.json
                                          # adds "before" rows: that correction with the rules before
                                          # issue 23 (enrolment bar, any face of a quarter of the area)
+    python -m bench.age --compare-calibration OLD.json
+                                         # adds rows with today's rules and that file's correction and
+                                         # bands, and the targets of issue 23 for both
     python -m bench.age --choose-views   # faceres-deep crop margins x mirror on faces-calib (MAE, bias)
     python -m bench.age --calibrate      # fit the correction (faces-calib + faces-wild's 0-2 and 70+) and
                                          # the bands (faces-calib), write models/age_calibration.json
@@ -300,6 +303,39 @@ def decision_table(rows: list[tuple[str, PhotoSet, list[AgeDecision | None]]]) -
     header = ["rules / set", "age", "photos", "u18=0", "u18=50", "u18=100", "u21=0", "u21=50", "u21=100"]
     header += ["50: uncertain", "50: quality", "50: other face", "no face"]
     return format_table(header, table) + "\n(shares in % of the group's photos)"
+
+
+def target_table(rows: list[tuple[str, PhotoSet, list[AgeDecision | None]]]) -> str:
+    """Per rules / set and flag: faces-wild's adults 30+ given 0 (target >= 70%), children 0-9 given 0 (none),
+    the group just over the limit given 0 (10-19 for under_18, 20-29 for under_21: at most 1%); for
+    faces-calib and faces-dev, faces under 18 given 0 (none) and the 18-20s given under_21 = 0."""
+    table = []
+    for label, photos, made in rows:
+        for flag in ("under_18", "under_21"):
+            zero = np.array([d is not None and getattr(d.estimate, flag) == 0 for d in made])
+            ages = photos.ages
+            if photos.name == "faces-wild":
+                near = 10 if flag == "under_18" else 20
+                cells = [
+                    f"{100 * zero[ages >= 30].mean():.1f}",
+                    f"{int(zero[ages < 10].sum())} of {int((ages < 10).sum())}",
+                    f"{100 * zero[ages == near].mean():.1f} ({int(zero[ages == near].sum())})",
+                    "",
+                    "",
+                ]
+            else:
+                young = (ages >= 18) & (ages <= 20)
+                cells = [
+                    f"{100 * zero[ages > 25].mean():.1f} (26+)",
+                    "",
+                    "",
+                    f"{int(zero[ages < 18].sum())} of {int((ages < 18).sum())}",
+                    f"{int(zero[young].sum())} of {int(young.sum())}" if flag == "under_21" else "",
+                ]
+            table.append([label, flag, *cells])
+    header = ["rules / set", "flag", "adults 30+ given 0 %", "0-9 given 0", "10-19 / 20-29 given 0 % (n)"]
+    header += ["under 18 given 0", "18-20 given 0"]
+    return format_table(header, table)
 
 
 def mae_table(rows: list[tuple[str, PhotoSet, np.ndarray]]) -> str:
@@ -679,6 +715,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="an earlier models/age_calibration.json: adds 'before' rows (that correction, the rules before "
         "issue 23: enrolment bar, any face of a quarter of the area)",
     )
+    parser.add_argument(
+        "--compare-calibration",
+        type=Path,
+        help="an earlier models/age_calibration.json: adds rows with today's rules and that file's "
+        "correction and bands",
+    )
     parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads")
     args = parser.parse_args(argv)
 
@@ -721,6 +763,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     calibration = age_v2.AgeCalibration.load()
     baseline = age_v2.AgeCalibration.load(args.baseline_calibration) if args.baseline_calibration else None
+    compare = age_v2.AgeCalibration.load(args.compare_calibration) if args.compare_calibration else None
     bands = calibration.bands
     print(f"bands: {bands}\n")
 
@@ -734,6 +777,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             before = analyzed_faces(faces, len(photos.paths), baseline)
             decision_rows.append((f"before / {photos.name}", photos, legacy_decisions(before)))
             estimate_rows.append((f"before / {photos.name}", photos, subject_estimates(before)))
+        if compare is not None:
+            compared = decisions(analyzed_faces(faces, len(photos.paths), compare))
+            decision_rows.append((f"{args.compare_calibration.name} / {photos.name}", photos, compared))
         after = analyzed_faces(faces, len(photos.paths), calibration)
         if photos is not dev:
             quality_sets.append((photos, after))
@@ -749,6 +795,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
     print("# Age decisions by age group (faces-wild: FairFace's perceived groups; wild and calib in-sample)")
     print(decision_table(decision_rows) + "\n")
+    print(
+        "# Issue 23's targets (faces-wild: perceived groups, in-sample) and the minors of faces-calib / -dev"
+    )
+    print(target_table(decision_rows) + "\n")
     print(
         "# Subjects refused by each quality check (bands without rules; the age bar is models.quality_bars)"
     )
