@@ -6,6 +6,9 @@ faces-wild (FairFace photos, perceived-age groups), faces-dev and faces-calib; a
     python -m bench.age --baseline-calibration OLD.json
                                          # adds "before" rows: that correction with the rules before
                                          # issue 23 (enrolment bar, any face of a quarter of the area)
+    python -m bench.age --compare-calibration OLD.json
+                                         # adds rows with today's rules and that file's correction and
+                                         # bands, and the targets of issue 23 for both
     python -m bench.age --choose-views   # faceres-deep crop margins x mirror on faces-calib (MAE, bias)
     python -m bench.age --calibrate      # fit the correction (faces-calib + faces-wild's 0-2 and 70+) and
                                          # the bands (faces-calib), write models/age_calibration.json
@@ -52,6 +55,10 @@ CANDIDATE_MARGINS: tuple[float, ...] = (0.0, 0.1, 0.2, 0.3)
 # Distance kept between the oldest-looking calib minor's corrected estimate and the 0 band (years), so a face
 # a little older-looking than any calib minor still gets 50.
 ADULT_CUT_MARGIN = 1.0
+# under_21's 0 band: at most this share of calib faces aged 18-20 may fall in it (issue 23's tolerance for an
+# age group that holds people just under the limit); no face under 18 ever does (it starts at or above
+# under_18's band).
+YOUNG_ADULT_CLEARED_SHARE = 0.01
 # Share of calib faces at or over the limit that may get 100 ("under the limit").
 MINOR_BAND_ADULT_SHARE = 0.01
 
@@ -298,6 +305,39 @@ def decision_table(rows: list[tuple[str, PhotoSet, list[AgeDecision | None]]]) -
     return format_table(header, table) + "\n(shares in % of the group's photos)"
 
 
+def target_table(rows: list[tuple[str, PhotoSet, list[AgeDecision | None]]]) -> str:
+    """Per rules / set and flag: faces-wild's adults 30+ given 0 (target >= 70%), children 0-9 given 0 (none),
+    the group just over the limit given 0 (10-19 for under_18, 20-29 for under_21: at most 1%); for
+    faces-calib and faces-dev, faces under 18 given 0 (none) and the 18-20s given under_21 = 0."""
+    table = []
+    for label, photos, made in rows:
+        for flag in ("under_18", "under_21"):
+            zero = np.array([d is not None and getattr(d.estimate, flag) == 0 for d in made])
+            ages = photos.ages
+            if photos.name == "faces-wild":
+                near = 10 if flag == "under_18" else 20
+                cells = [
+                    f"{100 * zero[ages >= 30].mean():.1f}",
+                    f"{int(zero[ages < 10].sum())} of {int((ages < 10).sum())}",
+                    f"{100 * zero[ages == near].mean():.1f} ({int(zero[ages == near].sum())})",
+                    "",
+                    "",
+                ]
+            else:
+                young = (ages >= 18) & (ages <= 20)
+                cells = [
+                    f"{100 * zero[ages > 25].mean():.1f} (26+)",
+                    "",
+                    "",
+                    f"{int(zero[ages < 18].sum())} of {int((ages < 18).sum())}",
+                    f"{int(zero[young].sum())} of {int(young.sum())}" if flag == "under_21" else "",
+                ]
+            table.append([label, flag, *cells])
+    header = ["rules / set", "flag", "adults 30+ given 0 %", "0-9 given 0", "10-19 / 20-29 given 0 % (n)"]
+    header += ["under 18 given 0", "18-20 given 0"]
+    return format_table(header, table)
+
+
 def mae_table(rows: list[tuple[str, PhotoSet, np.ndarray]]) -> str:
     """MAE and bias per age group of corrected estimates (subject = largest face)."""
     table = []
@@ -426,19 +466,7 @@ def fit_calibration(
         fit_ages = np.concatenate([fit_ages, end_ages[ends].astype(np.float64)])
     knots_x, knots_y = isotonic(fit_raw, fit_ages)
     corrected = np.interp(raw, knots_x, knots_y)
-    bands: dict[str, float] = {}
-    checks: dict[str, float] = {}
-    for limit in (18, 21):
-        younger, older = corrected[ages < limit], corrected[ages >= limit]
-        # 0 only above every calib face younger than the limit, with a margin; 100 only below the estimate
-        # that MINOR_BAND_ADULT_SHARE of calib faces at or over the limit fall under (never above the limit).
-        worst = float(younger.max())
-        bands[f"under_{limit}_minor_below"] = round(
-            min(float(np.quantile(older, MINOR_BAND_ADULT_SHARE)), float(limit)), 2
-        )
-        bands[f"under_{limit}_adult_from"] = round(worst + ADULT_CUT_MARGIN, 2)
-        checks[f"oldest_estimate_under_{limit}"] = round(worst, 3)
-    bands["under_21_adult_from"] = max(bands["under_21_adult_from"], bands["under_18_adult_from"])
+    bands, checks = fit_bands(corrected, ages)
     return {
         "generated_by": "python -m bench.age --calibrate (faces-calib UTKFace age crops; the correction's "
         "ends also from faces-wild's 0-2 and 70+ photos as ages 1 and 75)",
@@ -452,6 +480,43 @@ def fit_calibration(
         "bands": bands,
         "checks": checks,
     }
+
+
+def fit_bands(corrected: np.ndarray, ages: np.ndarray) -> tuple[dict[str, float], dict[str, object]]:
+    """The under_18 / under_21 bands on corrected calib estimates, and the numbers that justify them.
+
+    100 only below the estimate that MINOR_BAND_ADULT_SHARE of calib faces at or over the limit fall under
+    (never above the limit). under_18 = 0 only above every calib face under 18, with ADULT_CUT_MARGIN: no
+    child is ever cleared. under_21 = 0 from the same cut, unless more than YOUNG_ADULT_CLEARED_SHARE of the
+    calib faces aged 18-20 would then be cleared; then from just above the estimates of all but that share
+    of them (plus the margin). The oldest-looking face under 21 no longer sets under_21's cut alone: in
+    faces-calib it is one 20-year-old at 35.2, 3.7 years above the next (README "Age estimation")."""
+    minor_below = {
+        limit: round(
+            min(float(np.quantile(corrected[ages >= limit], MINOR_BAND_ADULT_SHARE)), float(limit)), 2
+        )
+        for limit in (18, 21)
+    }
+    oldest_child = float(corrected[ages < 18].max())
+    under_18_cut = round(oldest_child + ADULT_CUT_MARGIN, 2)
+    young = np.sort(corrected[(ages >= 18) & (ages < 21)])[::-1]
+    allowed = int(np.floor(YOUNG_ADULT_CLEARED_SHARE * len(young)))
+    # Estimates strictly above young[allowed] are at most `allowed` faces; the margin keeps the cut off them.
+    young_cut = float(young[allowed]) + ADULT_CUT_MARGIN if len(young) > allowed else 0.0
+    bands = {
+        "under_18_minor_below": minor_below[18],
+        "under_18_adult_from": under_18_cut,
+        "under_21_minor_below": minor_below[21],
+        "under_21_adult_from": round(max(under_18_cut, young_cut), 2),
+    }
+    checks: dict[str, object] = {
+        "oldest_estimate_under_18": round(oldest_child, 3),
+        "faces_18_to_20": len(young),
+        "cleared_share_18_to_20_at_most": YOUNG_ADULT_CLEARED_SHARE,
+        # The highest estimates of calib faces aged 18-20, one more than may be cleared: a test recounts them.
+        "highest_estimates_18_to_20": [round(float(v), 3) for v in young[: allowed + 1]],
+    }
+    return bands, checks
 
 
 def _dedupe_knots(raw: list[float], corrected: list[float]) -> tuple[list[float], list[float]]:
@@ -648,6 +713,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="an earlier models/age_calibration.json: adds 'before' rows (that correction, the rules before "
         "issue 23: enrolment bar, any face of a quarter of the area)",
     )
+    parser.add_argument(
+        "--compare-calibration",
+        type=Path,
+        help="an earlier models/age_calibration.json: adds rows with today's rules and that file's "
+        "correction and bands",
+    )
     parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads")
     args = parser.parse_args(argv)
 
@@ -690,6 +761,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     calibration = age_v2.AgeCalibration.load()
     baseline = age_v2.AgeCalibration.load(args.baseline_calibration) if args.baseline_calibration else None
+    compare = age_v2.AgeCalibration.load(args.compare_calibration) if args.compare_calibration else None
     bands = calibration.bands
     print(f"bands: {bands}\n")
 
@@ -703,6 +775,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             before = analyzed_faces(faces, len(photos.paths), baseline)
             decision_rows.append((f"before / {photos.name}", photos, legacy_decisions(before)))
             estimate_rows.append((f"before / {photos.name}", photos, subject_estimates(before)))
+        if compare is not None:
+            compared = decisions(analyzed_faces(faces, len(photos.paths), compare))
+            decision_rows.append((f"{args.compare_calibration.name} / {photos.name}", photos, compared))
         after = analyzed_faces(faces, len(photos.paths), calibration)
         if photos is not dev:
             quality_sets.append((photos, after))
@@ -718,6 +793,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
     print("# Age decisions by age group (faces-wild: FairFace's perceived groups; wild and calib in-sample)")
     print(decision_table(decision_rows) + "\n")
+    print(
+        "# Issue 23's targets (faces-wild: perceived groups, in-sample) and the minors of faces-calib / -dev"
+    )
+    print(target_table(decision_rows) + "\n")
     print(
         "# Subjects refused by each quality check (bands without rules; the age bar is models.quality_bars)"
     )
