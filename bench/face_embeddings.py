@@ -28,7 +28,7 @@ from models.sface import ensure_sface_model
 from models.weights import WEIGHTS
 from tests.faces_dev import LabelledImage
 
-CACHE_VERSION = "4"  # 4: dlib chips from the detector landmarks (models.chips.DLIB_TEMPLATE)
+CACHE_VERSION = "3"
 QUALITY_FIELDS = ("face_size_px", "detector_score", "sharpness", "yaw", "pitch", "roll_deg")
 
 

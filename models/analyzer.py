@@ -4,8 +4,8 @@ FaceAnalyzer.analyze() is the one-process path. A server that spreads the stages
 one by one (each loads only what it needs from ModelConfig):
 
     detect(images)                one detector batch for all images     ModelConfig.load_detector()
-    FaceCropper(image, faces)     descriptor chips from the detector's  ModelConfig.load_cropper()
-                                  landmarks (CPU); age views of the
+    FaceCropper(image, faces)     landmarks once per face, descriptor   ModelConfig.load_cropper()
+                                  chips (CPU, dlib); age views of the
                                   subject (and of comparable faces,
                                   models.age_policy) from the boxes
     infer(crops of many images)   one descriptor run, one age run       load_embedder(), load_age_estimator()
@@ -41,7 +41,7 @@ from models.align import FaceAligner
 from models.arrays import to_rgb
 from models.calibration import FaceScoreCalibration
 from models.chips import CHIP_SIZE as SFACE_CHIP_SIZE
-from models.chips import DLIB_CHIP_SIZE, DLIB_TEMPLATE, aligned_chips
+from models.chips import aligned_chips
 from models.convert import CHIP_SIZE as DESCRIPTOR_CHIP_SIZE
 from models.convert import ensure_descriptor_model
 from models.detector import DetectorOptions, FaceDetector, LetterboxedImage, letterbox
@@ -113,7 +113,7 @@ class ModelConfig:
         return FaceDetector(resolve("yunet_2023mar_int8bq"), self.detector, self.session_options())
 
     def load_cropper(self) -> FaceCropper:
-        return FaceCropper()
+        return FaceCropper(FaceAligner(resolve("dlib_shape5")))
 
     def load_embedder(self) -> FusedEmbedder:
         """Face model v2: dlib ResNet and SFace, fused into one vector with the calibrated weights."""
@@ -169,14 +169,11 @@ class FaceResults:
 
 
 class FaceCropper:
-    """Descriptor chips from the detector's five landmarks (models.chips.DLIB_TEMPLATE), or from dlib's own
-    shape predictor when given an aligner; age views from the detector boxes of the subject and of the
-    other faces the age rules need."""
+    """Landmarks once per face for the descriptor chips; age views from the detector boxes of the subject
+    and of the other faces the age rules need."""
 
     def __init__(
-        self,
-        aligner: FaceAligner | None = None,
-        quality_thresholds: QualityThresholds = DEFAULT_QUALITY_THRESHOLDS,
+        self, aligner: FaceAligner, quality_thresholds: QualityThresholds = DEFAULT_QUALITY_THRESHOLDS
     ) -> None:
         self.aligner = aligner
         self.quality_thresholds = quality_thresholds
@@ -195,9 +192,11 @@ class FaceCropper:
             assess_quality(face, chip, self.quality_thresholds)
             for face, chip in zip(faces, sface_chips, strict=True)
         )
+        # Age crops come from the detector box, so dlib's landmarks are needed only for the descriptor.
+        shapes = self.aligner.shapes(rgb, list(faces)) if faces and embed else []
         descriptor_chips = None
         if embed:
-            descriptor_chips = self._descriptor_chips(rgb, faces)
+            descriptor_chips = self._chips(rgb, shapes, DESCRIPTOR_CHIP_SIZE, DESCRIPTOR_CHIP_PADDING)
         age_views = None
         age_faces: tuple[int, ...] = ()
         if estimate_age:
@@ -212,13 +211,10 @@ class FaceCropper:
             sface_chips=sface_chips if embed else None,
         )
 
-    def _descriptor_chips(self, rgb: np.ndarray, faces: Sequence[DetectedFace]) -> np.ndarray:
-        if self.aligner is None:
-            return aligned_chips(rgb, [face.landmarks for face in faces], DLIB_CHIP_SIZE, DLIB_TEMPLATE)
-        if not faces:
-            return np.zeros((0, DESCRIPTOR_CHIP_SIZE, DESCRIPTOR_CHIP_SIZE, 3), dtype=np.uint8)
-        shapes = self.aligner.shapes(rgb, list(faces))
-        return self.aligner.chips(rgb, shapes, DESCRIPTOR_CHIP_SIZE, DESCRIPTOR_CHIP_PADDING)
+    def _chips(self, rgb: np.ndarray, shapes: Sequence[Any], size: int, padding: float) -> np.ndarray:
+        if not shapes:
+            return np.zeros((0, size, size, 3), dtype=np.uint8)
+        return self.aligner.chips(rgb, list(shapes), size, padding)
 
 
 _Rows = TypeVar("_Rows", np.ndarray, list[AgeEstimate])

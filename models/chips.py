@@ -1,13 +1,9 @@
-"""Face chips aligned by a similarity transform from YuNet's five landmarks onto a template.
+"""Face chips aligned by a similarity transform from YuNet's five landmarks to the ArcFace template.
 
 SFace (like every ArcFace-style descriptor) was trained on 112x112 crops made this way: the five points
 (right eye, left eye, nose tip, right and left mouth corner, in YuNet's order, i.e. image-left eye first)
 are mapped by the least-squares similarity (rotation, uniform scale, translation; Umeyama 1991) onto fixed
 template positions. The quality gate measures sharpness on the same chip, so both use this one module.
-
-The dlib descriptor's chip (dlib.get_face_chip with its 5-point shape predictor, 150 px, padding 0.25) is
-cut the same way onto DLIB_TEMPLATE: where YuNet's five points land, on average, in dlib's own chip. That
-saves running dlib's shape predictor and chip extractor on every face (see DLIB_TEMPLATE).
 """
 
 from __future__ import annotations
@@ -28,22 +24,6 @@ ARCFACE_TEMPLATE = np.asarray(
         [56.0252, 71.7366],
         [41.5493, 92.3655],
         [70.7299, 92.2041],
-    ],
-    dtype=np.float64,
-)
-
-
-# dlib's descriptor chip, 150 px with padding 0.25, in terms of YuNet's five points: the mean position of
-# YuNet's landmarks mapped into the chip that dlib.get_face_chip cuts from its own 5-point shape, over the 97
-# faces of faces-dev (bench/dlib_template.py prints it). Per face the points scatter 2.5-5.6 px around it.
-DLIB_CHIP_SIZE = 150
-DLIB_TEMPLATE = np.asarray(
-    [
-        [47.281, 45.097],
-        [100.424, 45.247],
-        [72.871, 77.465],
-        [50.521, 100.187],
-        [96.839, 100.819],
     ],
     dtype=np.float64,
 )
@@ -70,13 +50,9 @@ def similarity_transform(source: np.ndarray, target: np.ndarray) -> np.ndarray:
     return np.hstack([scale * rotation, translation[:, None]])
 
 
-def align_chip(
-    rgb: np.ndarray, landmarks: np.ndarray, size: int = CHIP_SIZE, template: np.ndarray | None = None
-) -> np.ndarray:
-    """One aligned uint8 RGB chip [size, size, 3] for a face's five landmarks (original-image pixels), onto
-    `template` (chip pixels); None: the ArcFace template scaled to `size`."""
-    if template is None:
-        template = ARCFACE_TEMPLATE * (size / CHIP_SIZE)
+def align_chip(rgb: np.ndarray, landmarks: np.ndarray, size: int = CHIP_SIZE) -> np.ndarray:
+    """One aligned uint8 RGB chip [size, size, 3] for a face's five landmarks (original-image pixels)."""
+    template = ARCFACE_TEMPLATE * (size / CHIP_SIZE)
     matrix = similarity_transform(np.asarray(landmarks, dtype=np.float64), template)
     scale = float(np.sqrt(abs(np.linalg.det(matrix[:, :2]))))
     if scale < _MAX_SHRINK:
@@ -112,15 +88,9 @@ def _prefilter(rgb: np.ndarray, matrix: np.ndarray, scale: float, size: int) -> 
     return region, adjusted
 
 
-def aligned_chips(
-    image: np.ndarray,
-    landmarks: Sequence[np.ndarray],
-    size: int = CHIP_SIZE,
-    template: np.ndarray | None = None,
-) -> np.ndarray:
-    """Aligned chips for many faces of one image: uint8 [N, size, size, 3] RGB (see align_chip)."""
+def aligned_chips(image: np.ndarray, landmarks: Sequence[np.ndarray], size: int = CHIP_SIZE) -> np.ndarray:
+    """Aligned chips for many faces of one image: uint8 [N, size, size, 3] RGB."""
     if not landmarks:
         return np.zeros((0, size, size, 3), dtype=np.uint8)
     rgb = to_rgb(image)
-    chips = [align_chip(rgb, points, size, template) for points in landmarks]
-    return np.stack(chips).astype(np.uint8, copy=False)
+    return np.stack([align_chip(rgb, points, size) for points in landmarks]).astype(np.uint8, copy=False)
