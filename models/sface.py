@@ -122,7 +122,9 @@ def _without_prelu(nodes: list[onnx.NodeProto], constants: dict[str, np.ndarray]
         out += [
             helper.make_node("Relu", [x], [f"{y}_relu"], name=f"{node.name}_relu"),
             helper.make_node("Mul", [x, slope], [f"{y}_linear"], name=f"{node.name}_linear"),
-            helper.make_node("Mul", [f"{y}_relu", complement], [f"{y}_positive"], name=f"{node.name}_positive"),
+            helper.make_node(
+                "Mul", [f"{y}_relu", complement], [f"{y}_positive"], name=f"{node.name}_positive"
+            ),
             helper.make_node("Add", [f"{y}_linear", f"{y}_positive"], [y], name=f"{node.name}_sum"),
         ]
     return out

@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 from PIL import Image, ImageOps
 
@@ -16,6 +17,7 @@ from models.age_v2 import (
     AgeBands,
     AgeCalibration,
     FaceresAgeEstimator,
+    ensure_faceres_model,
     face_crop,
     face_views,
     round_age,
@@ -260,3 +262,10 @@ def test_dev_bands_are_not_trivially_cautious(dev_ages: list[tuple[int, AgeEstim
     children = [e for age, e in dev_ages if age <= 11]
     assert sum(e.under_18 == 0 for e in adults) >= 0.5 * len(adults)
     assert children and sum(e.under_18 == 100 for e in children) >= 0.8 * len(children)
+
+
+def test_relu6_chains_become_one_clip_each() -> None:
+    """The converted graph runs TFJS's Relu6 as Clip(0, 6) (models.age_v2.relu6_as_clip); the network's
+    output still equals the TFJS graph's (test_preprocessing_is_hse_s_bgr_minus_caffe_means)."""
+    ops = [node.op_type for node in onnx.load(str(ensure_faceres_model())).graph.node]
+    assert ops.count("Clip") == 27 and "Min" not in ops and "Max" not in ops
