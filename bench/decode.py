@@ -7,6 +7,10 @@ large dev photos. Columns, milliseconds per photo (best of --rounds): the full-s
 libjpeg alone at the scale decode_image picks; decode_image with the service's max side as it is now
 (reduced decoding, then OpenCV's bilinear for the rest); and the same reduced decoding followed by
 Pillow's antialiased thumbnail, as decode_image resampled before. Then the size handed to the models.
+
+With --models, the dev photos larger than the max side (the only ones of faces-dev, faces-calib and
+faces-wild whose pixels the change touches: every other photo is decoded unchanged) also go through the
+models both ways, and the table shows the largest face's detector box, fused cosine and age each way.
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ def main() -> None:
     )
     parser.add_argument("--max-side", type=int, default=Settings.from_env().models.analysis_max_side)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--models", action="store_true", help="compare the models' results both ways")
     args = parser.parse_args()
     photos = [(f"generated {w}x{h}", photo_like_jpeg(w, h)) for w, h in SIZES]
     dev = load_faces_dev()
@@ -114,6 +119,38 @@ def main() -> None:
     ]
     print(f"max side {args.max_side} px; ms per photo, best of {args.rounds}")
     print(format_table([*header, "analysed size"], rows))
+    if args.models:
+        print()
+        print(model_table([data for name, data in photos if name.startswith("faces-dev")], args.max_side))
+
+
+def model_table(uploads: list[bytes], max_side: int) -> str:
+    """The largest face of each photo analysed from both decodes: box, fused cosine, age."""
+    from models.analyzer import ModelConfig, load_face_analyzer
+    from models.types import largest_face
+
+    analyzer = load_face_analyzer(ModelConfig())
+    rows = []
+    for data in uploads:
+        faces = []
+        for pixels in (decode_image(data, LIMIT, max_side).pixels, pillow_thumbnail(data, max_side)):
+            face = largest_face(analyzer.analyze([pixels])[0])
+            assert face is not None and face.embedding is not None and face.age is not None
+            faces.append(face)
+        now, before = faces
+        assert now.embedding is not None and before.embedding is not None
+        assert now.age is not None and before.age is not None
+        rows.append(
+            [
+                " ".join(f"{v:.0f}" for v in now.detection.box),
+                " ".join(f"{v:.0f}" for v in before.detection.box),
+                f"{float(now.embedding @ before.embedding):.4f}",
+                f"{now.age.expected_age:.2f}",
+                f"{before.age.expected_age:.2f}",
+            ]
+        )
+    header = ["box now", "box with Pillow resize", "fused cosine", "age now", "age before"]
+    return format_table(header, rows)
 
 
 if __name__ == "__main__":
