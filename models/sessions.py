@@ -34,7 +34,7 @@ class SessionOptions:
     allow_spinning: bool = False
     # Full optimisation and sequential execution won in the pipeline benchmark (bench/ort_settings.py on
     # 2 cores: the extended level and the parallel executor each cost 30-70 % more CPU per image); the
-    # fields exist so that benchmark can measure the alternatives.
+    # fields exist so that benchmark can measure the alternatives. "parallel" needs inter_op_threads > 1.
     graph_optimization: Literal["basic", "extended", "all"] = "all"
     execution_mode: Literal["sequential", "parallel"] = "sequential"
     # When the session cannot run on the first preferred provider: "fallback" takes the next one quietly

@@ -59,9 +59,9 @@ def test_optimisation_level_and_execution_mode_reach_the_session(
     expected_level: ort.GraphOptimizationLevel,
     expected_mode: ort.ExecutionMode,
 ) -> None:
-    applied = create_session(
-        doubling_model(), SessionOptions(graph_optimization=level, execution_mode=mode)
-    ).get_session_options()
+    # ONNX Runtime runs a parallel executor only with an inter-op pool (more than one thread).
+    options = SessionOptions(graph_optimization=level, execution_mode=mode, inter_op_threads=2)
+    applied = create_session(doubling_model(), options).get_session_options()
     assert applied.graph_optimization_level == expected_level
     assert applied.execution_mode == expected_mode
     defaults = SessionOptions()  # what won in bench/ort_settings.py
