@@ -19,6 +19,7 @@ import argparse
 import io
 import time
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -90,11 +91,11 @@ def main() -> None:
             )
     rows = []
     for name, data in photos:
-        full = best_ms(lambda data=data: decode_image(data, LIMIT), args.rounds)
+        full = best_ms(partial(decode_image, data, LIMIT), args.rounds)
         reduced = libjpeg_only(data, args.max_side)
-        libjpeg = best_ms(lambda data=data: libjpeg_only(data, args.max_side), args.rounds)
-        now = best_ms(lambda data=data: decode_image(data, LIMIT, args.max_side), args.rounds)
-        before = best_ms(lambda data=data: pillow_thumbnail(data, args.max_side), args.rounds)
+        libjpeg = best_ms(partial(libjpeg_only, data, args.max_side), args.rounds)
+        now = best_ms(partial(decode_image, data, LIMIT, args.max_side), args.rounds)
+        before = best_ms(partial(pillow_thumbnail, data, args.max_side), args.rounds)
         shape = decode_image(data, LIMIT, args.max_side).pixels.shape
         rows.append(
             [

@@ -108,7 +108,7 @@ def relu6_as_clip(model: onnx.ModelProto) -> onnx.ModelProto:
                 and constants[candidate].size == 1
                 and constants[candidate].item() == value
             ):
-                return other
+                return str(other)
         return None
 
     replaced: dict[str, onnx.NodeProto] = {}  # the Max node's output -> its Clip
