@@ -31,6 +31,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import numpy as np
@@ -40,6 +41,9 @@ from facesearch_client import AsyncFaceSearchClient, Pending, RetryPolicy
 from serve_app.deploy_config import load_serve_config
 from tests.faces_dev import REPO_ROOT, load_faces_dev
 from tests.service_harness import RunningService, running_service
+
+if TYPE_CHECKING:
+    from models.analyzer import ModelConfig
 
 IN_PROCESS_CONFIG = REPO_ROOT / "config" / "serve-in-process.yaml"
 
@@ -62,10 +66,13 @@ class InProcessRate:
     model_cpu_ms: float
 
 
-def in_process_rate(paths: list[Path], workload: str, threads: int, rounds: int) -> InProcessRate:
+def in_process_rate(
+    paths: list[Path], workload: str, threads: int, rounds: int, config: ModelConfig | None = None
+) -> InProcessRate:
     """The transaction's own work with no service around it: decode the uploaded bytes exactly as the
     worker does (serve_app.imaging.decode with the service's limits), then run the models the transaction
-    needs, in batches of 16 as the batched deployment does. Best of `rounds`."""
+    needs, in batches of 16 as the batched deployment does. Best of `rounds`. `config` replaces the model
+    config (default: `threads` intra-op threads)."""
     from models.analyzer import ModelConfig, load_face_analyzer
     from serve_app.imaging.decode import decode_image
     from serve_app.settings import Settings
@@ -73,7 +80,7 @@ def in_process_rate(paths: list[Path], workload: str, threads: int, rounds: int)
     limits = Settings.from_env()
     max_pixels, max_side = limits.limits.max_image_pixels, limits.models.analysis_max_side
     embed, estimate_age = WORKLOAD_NEEDS[workload]
-    analyzer = load_face_analyzer(ModelConfig(intra_op_threads=threads))
+    analyzer = load_face_analyzer(config or ModelConfig(intra_op_threads=threads))
     uploads = [path.read_bytes() for path in paths]
     decoded = [decode_image(data, max_pixels, max_side).pixels for data in uploads]
     analyzer.analyze(decoded[:4], embed=embed, estimate_age=estimate_age)  # warm-up

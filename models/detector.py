@@ -46,6 +46,9 @@ class DetectorOptions:
     # the cost is resolution for small faces (tiled group photos lose faces from 0.25-0.3 on).
     pad_ratio: float = 0.2
     top_k: int = 50  # most faces kept per image, highest scores first
+    # Images per inference on CPU: one at a time costs 9 ms of CPU per 640 px image against 15 ms in runs of
+    # 16 (the activations of 16 images overflow the CPU's caches), same faces. A GPU runs the whole batch.
+    cpu_images_per_run: int = 1
 
     def __post_init__(self) -> None:
         if self.input_size <= 0 or self.input_size % max(STRIDES) != 0:
@@ -58,6 +61,8 @@ class DetectorOptions:
             raise ValueError(f"nms_threshold must be in (0, 1], got {self.nms_threshold}")
         if self.min_face_size < 0 or self.pad_ratio < 0 or self.top_k <= 0:
             raise ValueError("min_face_size and pad_ratio must be >= 0 and top_k > 0")
+        if self.cpu_images_per_run <= 0:
+            raise ValueError(f"cpu_images_per_run must be > 0, got {self.cpu_images_per_run}")
 
 
 @dataclass(frozen=True)
@@ -243,6 +248,8 @@ class FaceDetector:
         warmup = {INPUT_NAME: np.zeros((1, 3, size, size), dtype=np.float32)}
         self._session = create_session(make_runnable(model).SerializeToString(), session_options, warmup)
         self._output_names = [f"{head}_{stride}" for head in _HEADS for stride in STRIDES]
+        on_cpu = self._session.get_providers()[0] == "CPUExecutionProvider"
+        self.images_per_run = options.cpu_images_per_run if on_cpu else None  # None: the whole batch
         # Grid cell coordinates of every anchor, strides concatenated in the order of the outputs.
         xs, ys, ss = [], [], []
         for stride in STRIDES:
@@ -259,7 +266,8 @@ class FaceDetector:
         return letterbox(image, self.options)
 
     def detect_prepared(self, batch: Sequence[LetterboxedImage]) -> list[list[DetectedFace]]:
-        """Run the whole batch in one inference and decode each image's faces, best first."""
+        """Run the batch (in runs of images_per_run images on CPU, at once on a GPU) and decode each image's
+        faces, best first."""
         if len(batch) == 0:
             return []
         size = self.options.input_size
@@ -269,13 +277,9 @@ class FaceDetector:
                     f"expected a uint8 tensor of shape (3, {size}, {size}) from this detector's prepare(), "
                     f"got {item.tensor.dtype} {item.tensor.shape}"
                 )
-        inputs = np.stack([item.tensor for item in batch]).astype(np.float32)
-        results = self._session.run(self._output_names, {INPUT_NAME: inputs})
-        outputs = dict(zip(self._output_names, results, strict=True))
-        heads = {
-            head: np.concatenate([outputs[f"{head}_{stride}"] for stride in STRIDES], axis=1)
-            for head in _HEADS
-        }
+        step = self.images_per_run or len(batch)
+        runs = [self._run(batch[start : start + step]) for start in range(0, len(batch), step)]
+        heads = {head: np.concatenate([run[head] for run in runs]) for head in _HEADS}
         # Both heads are sigmoid outputs; clip guards the sqrt against tiny quantisation excursions.
         scores = np.sqrt(np.clip(heads["cls"][..., 0], 0, 1) * np.clip(heads["obj"][..., 0], 0, 1))
         return [
@@ -284,6 +288,17 @@ class FaceDetector:
 
     def detect(self, images: Sequence[np.ndarray]) -> list[list[DetectedFace]]:
         return self.detect_prepared([self.prepare(image) for image in images])
+
+    def _run(self, batch: Sequence[LetterboxedImage]) -> dict[str, np.ndarray]:
+        """One inference: each head's outputs for every anchor, strides concatenated, [N, anchors, C]."""
+        inputs = np.stack([item.tensor for item in batch]).astype(np.float32)
+        outputs = dict(
+            zip(self._output_names, self._session.run(self._output_names, {INPUT_NAME: inputs}), strict=True)
+        )
+        return {
+            head: np.concatenate([outputs[f"{head}_{stride}"] for stride in STRIDES], axis=1)
+            for head in _HEADS
+        }
 
     def _decode(
         self, scores: np.ndarray, bbox: np.ndarray, kps: np.ndarray, item: LetterboxedImage

@@ -32,10 +32,26 @@ class SessionOptions:
     inter_op_threads: int = 1
     provider_preference: Sequence[str] = field(default=DEFAULT_PROVIDER_PREFERENCE)
     allow_spinning: bool = False
+    # Full optimisation and sequential execution won in the pipeline benchmark (bench/ort_settings.py on
+    # 2 cores: the extended level and the parallel executor each cost 30-70 % more CPU per image); the
+    # fields exist so that benchmark can measure the alternatives. "parallel" needs inter_op_threads > 1.
+    graph_optimization: Literal["basic", "extended", "all"] = "all"
+    execution_mode: Literal["sequential", "parallel"] = "sequential"
     # When the session cannot run on the first preferred provider: "fallback" takes the next one quietly
     # (the default preference is opportunistic), "warn" does so with a warning, "fail" raises
     # ProviderUnavailable. A config that asks for CUDA uses "fail", so it never runs on CPU unnoticed.
     if_preferred_missing: Literal["fallback", "warn", "fail"] = "fallback"
+
+
+_OPTIMIZATION_LEVELS = {
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+_EXECUTION_MODES = {
+    "sequential": ort.ExecutionMode.ORT_SEQUENTIAL,
+    "parallel": ort.ExecutionMode.ORT_PARALLEL,
+}
 
 
 def choose_providers(preference: Sequence[str]) -> list[str]:
@@ -49,13 +65,13 @@ def choose_providers(preference: Sequence[str]) -> list[str]:
 def create_session(
     model: Path | bytes, options: SessionOptions, warmup_feed: dict[str, np.ndarray] | None = None
 ) -> ort.InferenceSession:
-    """Build a session with full graph optimisation and run one warm-up inference so the first
-    real request does not pay for lazy initialisation (CUDA kernels, memory arenas)."""
+    """Build a session (by default with full graph optimisation, sequential execution) and run one warm-up
+    inference so the first real request does not pay for lazy initialisation (CUDA kernels, memory arenas)."""
     session_options = ort.SessionOptions()
-    session_options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    session_options.graph_optimization_level = _OPTIMIZATION_LEVELS[options.graph_optimization]
     session_options.intra_op_num_threads = options.intra_op_threads
     session_options.inter_op_num_threads = options.inter_op_threads
-    session_options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    session_options.execution_mode = _EXECUTION_MODES[options.execution_mode]
     spinning = "1" if options.allow_spinning else "0"
     session_options.add_session_config_entry("session.intra_op.allow_spinning", spinning)
     session_options.add_session_config_entry("session.inter_op.allow_spinning", spinning)

@@ -166,8 +166,11 @@ class ConvertedSpec:
     built_from: str  # for the error message
 
 
-# Bumped when the TFJS converter's output changes, so a file from an older converter is not taken for it.
-FACERES_CONVERTER_REVISION = 1
+# Bumped when the converter's output changes, so a file from an older converter is not taken for it.
+# 2: ReLU6 as one Clip (model_build.faceres).
+FACERES_CONVERTER_REVISION = 2
+# 2: PRelu rewritten without PRelu (model_build.sface).
+SFACE_CONVERTER_REVISION = 2
 
 
 def _faceres_file_name() -> str:
@@ -187,14 +190,14 @@ CONVERTED: dict[str, ConvertedSpec] = {
         ),
         ConvertedSpec(
             name="sface_2021dec_int8bq",
-            file_name=f"sface_2021dec_int8bq-fp32-{WEIGHTS['sface_2021dec_int8bq'].sha256[:16]}.onnx",
-            sha256="d2758bc3d25db9cdf6e0f8481749ad797c1e036e8bd7661f18b3ab36c84ef9f7",
+            file_name=f"sface_2021dec_int8bq-fp32-r{SFACE_CONVERTER_REVISION}-{WEIGHTS['sface_2021dec_int8bq'].sha256[:16]}.onnx",
+            sha256="eac55c2b8ef209f0acd8b4f2a5c4fd72961177a670e8262e8916ed6a503ffc7a",
             built_from=WEIGHTS["sface_2021dec_int8bq"].relative_path,
         ),
         ConvertedSpec(
             name="faceres_deep",
             file_name=_faceres_file_name(),
-            sha256="d69d2b519649e2d0d448c2008e77e5dc3cd6a9218e8501c1290f5800638a928d",
+            sha256="5eed91b6488e99833fc3074faae072c2d71be7288b16ab594d202cc1fd17d87f",
             built_from=f"npm {NPM_WEIGHTS['faceres_deep'].pinned}",
         ),
     )

@@ -353,3 +353,53 @@ def test_a_large_jpeg_is_decoded_at_reduced_scale_to_the_same_picture() -> None:
     expected = np.asarray(full)
     assert reduced.shape == expected.shape == (1440, 1920, 3)
     assert float(np.mean(np.abs(reduced.astype(int) - expected.astype(int)))) < 3.0
+
+
+def _smooth_jpeg(width: int, height: int, exif: Image.Exif | None = None) -> bytes:
+    y, x = np.mgrid[0:height, 0:width]
+    pixels = np.stack([(x // 16) % 256, (y // 12) % 256, ((x + y) // 20) % 256], axis=-1).astype(np.uint8)
+    image = Image.fromarray(pixels)
+    image.paste(BLUE, (width // 2, 0, width, height))  # right half blue, to see the orientation
+    return image_bytes(image, "JPEG", **({"exif": exif} if exif is not None else {}))
+
+
+def _decoded_sizes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """(height, width) of every picture handed to the final resampling, i.e. as libjpeg decoded it."""
+    import serve_app.imaging.decode as decode_module
+
+    seen: list[tuple[int, int]] = []
+    shrink = decode_module._shrink
+
+    def spy(pixels: np.ndarray, max_side: int) -> np.ndarray:
+        seen.append((pixels.shape[0], pixels.shape[1]))
+        return shrink(pixels, max_side)
+
+    monkeypatch.setattr(decode_module, "_shrink", spy)
+    return seen
+
+
+def test_a_jpeg_twice_the_size_limit_is_decoded_reduced_a_smaller_one_is_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen = _decoded_sizes(monkeypatch)
+    # 4000 px: libjpeg decodes at 1/2 (2000 px, still above 1920), the rest is resampled.
+    assert decode(_smooth_jpeg(4000, 3000), max_side=1920).shape == (1440, 1920, 3)
+    assert seen == [(1500, 2000)]
+    # 2048 px: half scale would fall below 1920 px, so the full picture is decoded, then resampled.
+    seen.clear()
+    assert decode(_smooth_jpeg(2048, 1364), max_side=1920).shape == (1279, 1920, 3)
+    assert seen == [(1364, 2048)]
+    # Within the limit: decoded as it is, never resampled.
+    seen.clear()
+    assert decode(_smooth_jpeg(1280, 960), max_side=1920).shape == (960, 1280, 3)
+    assert seen == []
+
+
+def test_exif_orientation_holds_for_a_jpeg_decoded_reduced(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = _decoded_sizes(monkeypatch)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise: the stored right half (blue) becomes the bottom
+    pixels = decode(_smooth_jpeg(4000, 2000, exif=exif), max_side=1920)
+    assert seen == [(2000, 1000)]  # decoded at 1/2, after the rotation
+    assert pixels.shape == (1920, 960, 3)
+    assert close(pixels[-20, 480], BLUE) and not close(pixels[20, 480], BLUE)

@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 from PIL import Image, ImageOps
 
@@ -26,7 +27,7 @@ from models.analyzer import FaceAnalyzer, ModelConfig, largest_face, load_face_a
 from models.errors import ModelFormatError
 from models.sessions import SessionOptions
 from models.types import AgeEstimate
-from models.weights import NPM_WEIGHTS, default_models_dir
+from models.weights import NPM_WEIGHTS, converted, default_models_dir
 from tests.faces_dev import FacesDev
 from tests.unit.model_build import tfjs_reference
 
@@ -263,3 +264,10 @@ def test_dev_bands_are_not_trivially_cautious(dev_ages: list[tuple[int, AgeEstim
     children = [e for age, e in dev_ages if age <= 11]
     assert sum(e.under_18 == 0 for e in adults) >= 0.5 * len(adults)
     assert children and sum(e.under_18 == 100 for e in children) >= 0.8 * len(children)
+
+
+def test_relu6_chains_become_one_clip_each() -> None:
+    """The converted graph runs TFJS's Relu6 as Clip(0, 6) (model_build.faceres.relu6_as_clip); the network's
+    output still equals the TFJS graph's (test_preprocessing_is_hse_s_bgr_minus_caffe_means)."""
+    ops = [node.op_type for node in onnx.load(str(converted("faceres_deep"))).graph.node]
+    assert ops.count("Clip") == 27 and "Min" not in ops and "Max" not in ops

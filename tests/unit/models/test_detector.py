@@ -102,6 +102,26 @@ def test_batch_equals_one_by_one(
         assert_same_faces(faces, detector.detect([image])[0])
 
 
+@pytest.mark.parametrize("images_per_run", [3, 16])
+def test_runs_of_several_images_find_the_same_faces(
+    detector: FaceDetector, faces_dev: FacesDev, identity_images: list[np.ndarray], images_per_run: int
+) -> None:
+    """On CPU the detector runs one image per inference by default (cheaper); runs of several images, one
+    of them cut short by the end of the batch, decode to the same faces in the same order."""
+    assert detector.images_per_run == 1
+    images = identity_images[:6] + [load_rgb(item.path) for item in faces_dev.of_kind("group")]
+    several = FaceDetector(
+        resolve("yunet_2023mar_int8bq"),
+        DetectorOptions(cpu_images_per_run=images_per_run),
+        SessionOptions(intra_op_threads=1),
+    )
+    assert several.images_per_run == images_per_run
+    for one, many in zip(detector.detect(images), several.detect(images), strict=True):
+        assert_same_faces(one, many)
+    with pytest.raises(ValueError, match="cpu_images_per_run"):
+        DetectorOptions(cpu_images_per_run=0)
+
+
 def test_matches_opencv_yunet_on_the_same_canvas(detector: FaceDetector, faces_dev: FacesDev) -> None:
     """Our graph rewrite and decoding agree with OpenCV's own YuNet implementation (reference only)."""
     options = detector.options

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import onnx
@@ -44,6 +44,28 @@ def test_thread_and_spinning_settings_reach_the_session(allow_spinning: bool, ex
     assert applied.intra_op_num_threads == 2
     assert applied.get_session_config_entry("session.intra_op.allow_spinning") == expected
     assert session.get_providers()[-1] == "CPUExecutionProvider"
+
+
+@pytest.mark.parametrize(
+    ("level", "mode", "expected_level", "expected_mode"),
+    [
+        ("all", "sequential", ort.GraphOptimizationLevel.ORT_ENABLE_ALL, ort.ExecutionMode.ORT_SEQUENTIAL),
+        ("basic", "parallel", ort.GraphOptimizationLevel.ORT_ENABLE_BASIC, ort.ExecutionMode.ORT_PARALLEL),
+    ],
+)
+def test_optimisation_level_and_execution_mode_reach_the_session(
+    level: Literal["basic", "extended", "all"],
+    mode: Literal["sequential", "parallel"],
+    expected_level: ort.GraphOptimizationLevel,
+    expected_mode: ort.ExecutionMode,
+) -> None:
+    # ONNX Runtime runs a parallel executor only with an inter-op pool (more than one thread).
+    options = SessionOptions(graph_optimization=level, execution_mode=mode, inter_op_threads=2)
+    applied = create_session(doubling_model(), options).get_session_options()
+    assert applied.graph_optimization_level == expected_level
+    assert applied.execution_mode == expected_mode
+    defaults = SessionOptions()  # what won in bench/ort_settings.py
+    assert (defaults.graph_optimization, defaults.execution_mode) == ("all", "sequential")
 
 
 def test_spinning_is_off_by_default_and_results_do_not_depend_on_it() -> None:
