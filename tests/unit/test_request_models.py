@@ -223,13 +223,23 @@ def test_unknown_fields_are_ignored() -> None:
 
 
 # 1.0 is left out: JSON Schema counts it as an integer, the rule (like the interface) does not.
-SCHEMA_SAMPLES: list[tuple[str, object]] = [
-    *(("enroll_face", value) for value in (True, 0, 1, "1", " TRUE ", "\x1ctrue\x85", "False", 2, "yes")),
-    *(("enroll_face", value) for value in ("tru", "1 1", [], {})),
-    *(
-        ("client_reference", value)
-        for value in ("abcde", "\U0001f600é" * 3, "abcd", "x" * 256, "abc\nde", 12345)
-    ),
+FLAG_SAMPLES: tuple[object, ...] = (
+    True,
+    0,
+    1,
+    "1",
+    " TRUE ",
+    "\x1ctrue\x85",
+    "False",
+    2,
+    "yes",
+    "1 1",
+    [],
+    {},
+)
+REFERENCE_SAMPLES: tuple[object, ...] = ("abcde", "\U0001f600é" * 3, "abcd", "x" * 256, "abc\nde", 12345)
+SCHEMA_SAMPLES = [("enroll_face", value) for value in FLAG_SAMPLES] + [
+    ("client_reference", value) for value in REFERENCE_SAMPLES
 ]
 
 
