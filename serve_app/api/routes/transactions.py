@@ -39,14 +39,13 @@ _MAX_RESULT_BODY_BYTES = 4096
 # RFC 7240's Prefer: declared as plain strings, so any value is accepted (the RFC has servers ignore a
 # preference they cannot parse); parsing.preferred_wait_s reads the wait from it.
 Prefer = Annotated[
-    list[str],
+    tuple[str, ...],
     Header(
         alias="Prefer",
-        default_factory=list,
         description="RFC 7240 `wait=<seconds>`, e.g. `wait=5`: hold the request until the transaction is "
         "final or the wait (capped by the server's wait_for_result bound, 10 s by default) runs out, "
         "instead of answering 202 at once. Answers carry `Preference-Applied` when honoured. Other "
-        "preferences are ignored."
+        "preferences are ignored.",
     ),
 ]
 
@@ -147,7 +146,7 @@ def router() -> APIRouter:
         tenant: Tenant,
         body: Annotated[ResultRequest, Depends(result_body)],
         services: Services,
-        prefer: Prefer,
+        prefer: Prefer = (),
     ) -> JSONResponse:
         tx = await services.transactions.get_for_tenant(tenant, body.reference_id)
         # Long polling: one held request replaces the several polls a client would otherwise send.
