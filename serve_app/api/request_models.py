@@ -168,10 +168,10 @@ CLIENT_REFERENCE_PROBLEMS: Mapping[str, Problem] = {
     "string_too_short": _LENGTH,
     "string_too_long": _LENGTH,
 }
-_CONTROL_CHARACTERS = Problem("client_reference must not contain control characters.", "control characters")
+CONTROL_CHARACTERS = Problem("client_reference must not contain control characters.", "control characters")
 ClientReference = Annotated[
     str | None,
-    rule(ClientReferenceText, _CONTROL_CHARACTERS, CLIENT_REFERENCE_PROBLEMS, field="client_reference"),
+    rule(ClientReferenceText, CONTROL_CHARACTERS, CLIENT_REFERENCE_PROBLEMS, field="client_reference"),
     Field(description="5 to 255 characters, no control characters"),
 ]
 ClientId = Annotated[

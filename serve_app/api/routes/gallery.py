@@ -21,6 +21,7 @@ from serve_app.api.dependencies import ApiServices, Services, Tenant, base_url
 from serve_app.api.json_response import JSONResponse
 from serve_app.api.request_models import (
     CLIENT_REFERENCE_PROBLEMS,
+    CONTROL_CHARACTERS,
     ClientReference,
     ClientReferenceText,
     InterfaceBody,
@@ -114,7 +115,7 @@ ReferenceFilter = Annotated[
     str | None,
     rule(
         ClientReferenceText | Literal[""],
-        Problem("client_reference must not contain control characters.", "control characters"),
+        CONTROL_CHARACTERS,
         CLIENT_REFERENCE_PROBLEMS,
         field="client_reference",
         convert=lambda value, _: value or None,
