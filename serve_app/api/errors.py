@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 
 from serve_app.api.json_response import JSONResponse
+from serve_app.api.request_models import rule_error
 from serve_app.domain import errors as domain
 
 logger = logging.getLogger(__name__)
@@ -70,13 +71,16 @@ async def service_error_handler(request: Request, exc: Exception) -> JSONRespons
 
 
 async def request_validation_handler(request: Request, exc: Exception) -> JSONResponse:
-    """FastAPI's own parameter validation (e.g. a path parameter) answers like every broken rule: the
-    ValidationFailed envelope and status, never FastAPI's default 422 body."""
+    """FastAPI's own parameter validation (query and path parameters) answers like every broken rule: a
+    parameter typed with a rule() gets that rule's words, any other the ValidationFailed envelope and
+    status, never FastAPI's default 422 body."""
     assert isinstance(exc, RequestValidationError)
     problems = exc.errors()
-    location = problems[0].get("loc", ()) if problems else ()
-    name = str(location[-1]) if location else "request"
-    failure = domain.ValidationFailed(f"The field '{name}' is invalid.", {name: "invalid"})
+    failure = rule_error(problems[0]) if problems else None
+    if failure is None:
+        location = problems[0].get("loc", ()) if problems else ()
+        name = str(location[-1]) if location else "request"
+        failure = domain.ValidationFailed(f"The field '{name}' is invalid.", {name: "invalid"})
     return await service_error_handler(request, failure)
 
 

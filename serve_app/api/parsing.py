@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -102,7 +103,7 @@ def _is_utf8(value: str) -> bool:
     return True
 
 
-def preferred_wait_s(prefer_headers: list[str], cap_s: float) -> float:
+def preferred_wait_s(prefer_headers: Sequence[str], cap_s: float) -> float:
     """Seconds a client asks /result to wait for the final state, from RFC 7240 `Prefer: wait=N`.
 
     The RFC has servers ignore preferences they do not understand, so a malformed or absent one means no

@@ -1,5 +1,6 @@
-"""The request bodies of the interface as pydantic models: each field rule is written once, here, next to
-the JSON Schema that documents it, and FastAPI publishes these schemas in /openapi.json.
+"""The request bodies of the interface as pydantic models: each field rule is written once, here, as pydantic
+constraints (`rule()`) that both check the value and generate the JSON Schema FastAPI publishes in
+/openapi.json.
 
 A JSON body and a multipart form validate into the same model: the form's parts arrive as strings and
 `Upload`s, the JSON body's values as JSON types, and the subclasses for each media type differ only in how
@@ -12,28 +13,27 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
-    BeforeValidator,
     ConfigDict,
+    Field,
+    PlainValidator,
+    StrictBool,
+    StringConstraints,
+    TypeAdapter,
     ValidationError,
     ValidationInfo,
-    WithJsonSchema,
     model_validator,
 )
+from pydantic.types import Strict
 from pydantic_core import PydanticCustomError
 
 from serve_app.domain.errors import PayloadTooLarge, ServiceError, UnsupportedMedia, ValidationFailed
-from serve_app.domain.identifiers import (
-    CLIENT_ID_PATTERN,
-    REFERENCE_ID_PATTERN,
-    is_client_id,
-    is_reference_id,
-)
+from serve_app.domain.identifiers import CLIENT_ID_PATTERN, REFERENCE_ID_PATTERN
 from serve_app.imaging.decode import ACCEPTED_EXTENSIONS
 
 # Context key under which the route passes the upload limit to validation.
@@ -53,6 +53,15 @@ def broken(message: str, field: str, problem: str, kind: str = "invalid") -> Pyd
     )
 
 
+def rule_error(problem: Mapping[str, Any]) -> ServiceError | None:
+    """The domain error of a broken() rule in pydantic's error list (a body's or FastAPI's parameters'),
+    or None for another error."""
+    if problem.get("type") != "interface_rule":
+        return None
+    context = problem["ctx"]
+    return _ERROR_KINDS[context["kind"]](context["message"], {context["field"]: context["problem"]})
+
+
 def as_service_error(error: ValidationError, missing_together: bool = False) -> ServiceError:
     """The first broken rule (in field order) as the domain error that the one error mapping turns into
     HTTP. With missing_together, every absent required field is named when the first problem is one."""
@@ -67,8 +76,8 @@ def as_service_error(error: ValidationError, missing_together: bool = False) -> 
         return ValidationFailed(f"The {noun} {quoted} {verb} required.", dict.fromkeys(names, "required"))
     name = str(first["loc"][-1]) if first["loc"] else "body"
     context = first.get("ctx") or {}
-    if first["type"] == "interface_rule":
-        return _ERROR_KINDS[context["kind"]](context["message"], {context["field"]: context["problem"]})
+    if (broken_rule := rule_error(first)) is not None:
+        return broken_rule
     if first["type"] == "literal_error":
         expected = str(context.get("expected", ""))
         return ValidationFailed(f"The field '{name}' must be {expected}.", {name: f"must be {expected}"})
@@ -77,146 +86,133 @@ def as_service_error(error: ValidationError, missing_together: bool = False) -> 
 
 # --- field rules ------------------------------------------------------------------------------------------
 
-# The schemas state exactly what the rules accept. Flag strings are compared after str.strip() and lower();
-# str.strip() also removes \x1c-\x1f and \x85, which a schema's \s need not match, hence the longer class.
+
+@dataclass(frozen=True)
+class Problem:
+    """The interface's words for a broken rule: the message ({field} names the field) and the problem."""
+
+    message: str
+    problem: str
+    kind: str = "invalid"
+
+
+def rule(
+    wire: Any,
+    otherwise: Problem,
+    by_type: Mapping[str, Problem] | None = None,
+    *,
+    field: str | None = None,
+    parse: Callable[[object], object] | None = None,
+    convert: Callable[[Any, ValidationInfo], Any] | None = None,
+) -> PlainValidator:
+    """A field's rule, written once: `wire` is the value as it arrives, typed with pydantic constraints;
+    pydantic checks them and generates the JSON Schema from them. A value that breaks them is reported
+    in the interface's words (`by_type`, keyed by pydantic's error type, else `otherwise`). `parse` reads
+    query text into the wire type; `convert` turns a valid wire value into the field's value and may
+    refuse, with broken(), what a schema cannot state (a decodable Base64 payload, an upload's size)."""
+    adapter: TypeAdapter[Any] = TypeAdapter(wire)
+    problems = by_type or {}
+
+    def validate(value: object, info: ValidationInfo) -> Any:
+        try:
+            checked = adapter.validate_python(parse(value) if parse is not None else value)
+        except ValidationError as error:
+            problem = problems.get(error.errors()[0]["type"], otherwise)
+            name = field or info.field_name or "value"
+            raise broken(problem.message.format(field=name), name, problem.problem, problem.kind) from None
+        return convert(checked, info) if convert is not None else checked
+
+    return PlainValidator(validate, json_schema_input_type=wire)
+
+
+# Flag words are compared after str.strip() and lower(); str.strip() also removes \x1c-\x1f and \x85,
+# which the pattern's \s (Unicode White_Space) need not match, hence the longer class.
 _STRIPPED = "[\\s\\x1c-\\x1f\\x85]*"
-_TRUE_WORDS = {"1", "true"}
-_FALSE_WORDS = {"0", "false"}
+_BIT = Annotated[int, Strict(), Field(ge=0, le=1)]
 
 
-def _flag_string(words: str) -> dict[str, Any]:
-    return {"type": "string", "pattern": f"^({_STRIPPED}({words}){_STRIPPED})?$"}
+def _words(words: str) -> Any:
+    return Annotated[str, StringConstraints(pattern=f"^{_STRIPPED}({words}){_STRIPPED}$")]
 
 
-def _flag(allow_words: bool) -> Callable[[object, ValidationInfo], bool]:
-    accepted_true = _TRUE_WORDS if allow_words else {"1"}
-    accepted_false = _FALSE_WORDS if allow_words else {"0"}
-    allowed = "1, 0, true or false" if allow_words else "0 or 1"
-
-    def validate(value: object, info: ValidationInfo) -> bool:
-        if isinstance(value, bool):
-            if allow_words:
-                return value
-        elif isinstance(value, int):
-            if value in (0, 1):
-                return bool(value)
-        elif isinstance(value, str):
-            lowered = value.strip().lower()
-            if lowered in accepted_true:
-                return True
-            if lowered in accepted_false:
-                return False
-        name = info.field_name or "flag"
-        raise broken(f"The field '{name}' must be {allowed}.", name, f"must be {allowed}")
-
-    return validate
+def _as_bool(value: bool | int | str, info: ValidationInfo) -> bool:
+    return value.strip().lower() in ("1", "true") if isinstance(value, str) else bool(value)
 
 
-# 1/0, true/false (JSON booleans, or the words in any case with surrounding blanks).
+# 1/0, true/false: JSON booleans, the integers, or the words in any case with surrounding blanks.
+_FLAG_WIRE = StrictBool | _BIT | _words("[01]|[Tt][Rr][Uu][Ee]|[Ff][Aa][Ll][Ss][Ee]")
 Flag = Annotated[
     bool,
-    BeforeValidator(_flag(allow_words=True)),
-    WithJsonSchema(
-        {
-            "oneOf": [
-                {"type": "boolean"},
-                {"type": "integer", "enum": [0, 1]},
-                _flag_string("[01]|[Tt][Rr][Uu][Ee]|[Ff][Aa][Ll][Ss][Ee]"),
-            ]
-        }
+    rule(
+        _FLAG_WIRE,
+        Problem("The field '{field}' must be 1, 0, true or false.", "must be 1, 0, true or false"),
+        convert=_as_bool,
     ),
 ]
 # 0 or 1 only (age estimation's wait_for_result).
-Flag01 = Annotated[bool, BeforeValidator(_flag(allow_words=False)), WithJsonSchema(_flag_string("[01]"))]
-
-
-def _client_reference(value: object) -> str:
-    if not isinstance(value, str):
-        raise broken("client_reference must be a string.", "client_reference", "must be a string")
-    if not 5 <= len(value) <= 255:
-        raise broken(
-            "client_reference must be 5 to 255 characters long.",
-            "client_reference",
-            "length must be 5 to 255",
-        )
-    if any(ord(char) < 32 for char in value):
-        raise broken(
-            "client_reference must not contain control characters.", "client_reference", "control characters"
-        )
-    return value
-
-
-ClientReference = Annotated[
-    str | None,
-    BeforeValidator(_client_reference),
-    WithJsonSchema(
-        {
-            "type": "string",
-            "maxLength": 255,
-            "pattern": "^([^\\x00-\\x1f]{5,})?$",
-            "description": "5 to 255 characters, no control characters; empty means absent",
-        }
+Flag01 = Annotated[
+    bool,
+    rule(
+        _BIT | _words("[01]"),
+        Problem("The field '{field}' must be 0 or 1.", "must be 0 or 1"),
+        convert=_as_bool,
     ),
 ]
 
-
-def _identifier(
-    name: str, check: Callable[[object], bool], rule: str, label: str | None = None
-) -> Callable[[object], str]:
-    """label: how the message names the kind of value (the field name when None)."""
-
-    def validate(value: object) -> str:
-        if not check(value):
-            raise broken(f"{name} is not a valid {label or name}.", name, rule)
-        assert isinstance(value, str)
-        return value
-
-    return validate
-
-
+_LENGTH = Problem("client_reference must be 5 to 255 characters long.", "length must be 5 to 255")
+ClientReferenceText = Annotated[
+    str, StringConstraints(min_length=5, max_length=255, pattern="^[^\\x00-\\x1f]*$")
+]
+CLIENT_REFERENCE_PROBLEMS: Mapping[str, Problem] = {
+    "string_type": Problem("client_reference must be a string.", "must be a string"),
+    "string_too_short": _LENGTH,
+    "string_too_long": _LENGTH,
+}
+CONTROL_CHARACTERS = Problem("client_reference must not contain control characters.", "control characters")
+ClientReference = Annotated[
+    str | None,
+    rule(ClientReferenceText, CONTROL_CHARACTERS, CLIENT_REFERENCE_PROBLEMS, field="client_reference"),
+    Field(description="5 to 255 characters, no control characters"),
+]
 ClientId = Annotated[
     str,
-    BeforeValidator(
-        _identifier("client_id", is_client_id, "must be cl_ followed by 24 hex digits", label="client id")
+    rule(
+        Annotated[str, StringConstraints(pattern=CLIENT_ID_PATTERN)],
+        Problem("client_id is not a valid client id.", "must be cl_ followed by 24 hex digits"),
+        field="client_id",
     ),
-    WithJsonSchema(
-        {
-            "type": "string",
-            "pattern": CLIENT_ID_PATTERN,
-            "description": "as issued: cl_ and 24 lowercase hex digits",
-        }
-    ),
+    Field(description="as issued: cl_ and 24 lowercase hex digits"),
 ]
 ReferenceId = Annotated[
     str,
-    BeforeValidator(_identifier("reference_id", is_reference_id, "must be 32 lowercase hex digits")),
-    WithJsonSchema(
-        {
-            "type": "string",
-            "pattern": REFERENCE_ID_PATTERN,
-            "description": "as returned by a create call: 32 lowercase hex digits",
-        }
+    rule(
+        Annotated[str, StringConstraints(pattern=REFERENCE_ID_PATTERN)],
+        Problem("reference_id is not a valid reference_id.", "must be 32 lowercase hex digits"),
+        field="reference_id",
     ),
+    Field(description="as returned by a create call: 32 lowercase hex digits"),
 ]
-NonEmptyString = Annotated[str, WithJsonSchema({"type": "string", "minLength": 1})]
+NonEmptyString = Annotated[str, StringConstraints(min_length=1)]
 
 _DATA_URI = re.compile(r"^data:image/(?P<subtype>[A-Za-z0-9.+-]+);base64,$")
 _ACCEPTED_SUBTYPES = {"jpeg", "jpg", "png", "pjpeg"}
+# The prefix only: a pattern over the whole multi-megabyte payload would cost the ingress CPU.
+_DATA_URI_WIRE = Annotated[
+    str, StringConstraints(pattern=f"^{_STRIPPED}data:image/[A-Za-z0-9.+-]{{1,82}};base64,")
+]
 
 
-def _image_from_data_uri(value: object) -> bytes:
-    if not isinstance(value, str):
-        raise broken("'file' must be a data URI string.", "file", "must be a string")
-    # The prefix is matched on the head alone: a regex over a multi-megabyte payload costs the ingress CPU.
+_NO_PREFIX = Problem(
+    "'file' must be a data URI with the prefix data:image/<subtype>;base64, (plain Base64 is rejected).",
+    "missing data URI prefix",
+)
+
+
+def _image_from_data_uri(value: str, info: ValidationInfo) -> bytes:
     head, comma, payload = value.strip().partition(",")
     match = _DATA_URI.match(head[:100] + comma)
-    if match is None:
-        raise broken(
-            "'file' must be a data URI with the prefix data:image/<subtype>;base64, "
-            "(plain Base64 is rejected).",
-            "file",
-            "missing data URI prefix",
-        )
+    if match is None:  # the wire pattern held, so only an over-long head gets here
+        raise broken(_NO_PREFIX.message, "file", _NO_PREFIX.problem)
     if match["subtype"].lower() not in _ACCEPTED_SUBTYPES:
         raise broken(
             f"Images of type image/{match['subtype']} are not accepted; send JPEG or PNG.",
@@ -266,15 +262,21 @@ def _image_from_upload(value: object, info: ValidationInfo) -> bytes:
 
 DataUriImage = Annotated[
     bytes,
-    BeforeValidator(_image_from_data_uri),
-    WithJsonSchema(
-        {"type": "string", "pattern": "^data:image/(jpeg|jpg|png);base64,", "description": "Base64 data URI"}
+    rule(
+        _DATA_URI_WIRE,
+        _NO_PREFIX,
+        {"string_type": Problem("'file' must be a data URI string.", "must be a string")},
+        field="file",
+        convert=_image_from_data_uri,
     ),
+    Field(description="Base64 data URI of a JPEG or PNG image"),
 ]
+# A file part: its JSON Schema is that of bytes (a binary string); the extension and size rules are the
+# kind no schema states.
 UploadedImage = Annotated[
     bytes,
-    BeforeValidator(_image_from_upload),
-    WithJsonSchema({"type": "string", "format": "binary", "description": ".jpg, .jpeg or .png"}),
+    PlainValidator(_image_from_upload, json_schema_input_type=bytes),
+    Field(description=".jpg, .jpeg or .png"),
 ]
 
 
@@ -302,20 +304,6 @@ class InterfaceBody(BaseModel):
             for key, value in data.items()
             if value is not None and (value != "" or key in cls.blank_is_a_value)
         }
-
-
-_ANNOTATIONS = ("title", "description", "default")
-
-
-def _null_means_absent(schema: dict[str, Any]) -> None:
-    """JSON schema of a JSON body: every optional field may also be null (see InterfaceBody)."""
-    required = set(schema.get("required", ()))
-    for name, prop in schema.get("properties", {}).items():
-        if name not in required:
-            options = prop.pop("oneOf", None) or [
-                {key: prop.pop(key) for key in list(prop) if key not in _ANNOTATIONS}
-            ]
-            prop["oneOf"] = [*options, {"type": "null"}]
 
 
 class AccessTokenRequest(InterfaceBody):
@@ -349,11 +337,14 @@ class FaceSearchRequest(InterfaceBody):
 
 
 class FaceSearchJson(FaceSearchRequest):
-    model_config = ConfigDict(json_schema_extra=_null_means_absent)
+    """The JSON body: the image as a data URI. An optional field sent as null or "" takes its default."""
+
     file: DataUriImage
 
 
 class FaceSearchForm(FaceSearchRequest):
+    """The multipart form: the image as a file part. An optional field sent as "" takes its default."""
+
     file: UploadedImage
 
 

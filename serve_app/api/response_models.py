@@ -1,6 +1,10 @@
-"""The response bodies of the interface as pydantic models, for the OpenAPI document FastAPI generates, and
-the `responses=` tables of the routes. Every body is the envelope {"status", "message", "result": {"data"}}
-or, for a failure, {"status": false, "message", "errors"} (serve_app/api/errors.py)."""
+"""The response bodies of the interface as pydantic models: the routes build their answers from these models
+and declare them as `response_model`, so the OpenAPI document FastAPI generates describes what is sent.
+Every body is the envelope {"status", "message", "result": {"data"}} or, for a failure, {"status": false,
+"message", "errors"} (serve_app/api/errors.py); the error answers are documented from the one table below.
+
+An extension field the interface does not list is left out of the body when it has no value (`exclude_if`),
+so a client of the interface sees only its fields in the usual case."""
 
 from __future__ import annotations
 
@@ -8,7 +12,13 @@ from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, Field
 
+from serve_app.api.json_response import JSONResponse
+
 DataT = TypeVar("DataT")
+
+
+def _absent(value: object) -> bool:
+    return value is None
 
 
 class Result(BaseModel, Generic[DataT]):
@@ -21,6 +31,15 @@ class Envelope(BaseModel, Generic[DataT]):
     result: Result[DataT]
 
 
+def envelope(message: str, data: DataT) -> Envelope[DataT]:
+    return Envelope(status=True, message=message, result=Result(data=data))
+
+
+def respond(body: BaseModel, status_code: int = 200, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The answer of a route: its body model, rendered as the document's schema for it says."""
+    return JSONResponse(body.model_dump(mode="json"), status_code=status_code, headers=headers)
+
+
 class ErrorEnvelope(BaseModel):
     status: Literal[False]
     message: str
@@ -29,7 +48,7 @@ class ErrorEnvelope(BaseModel):
 
 class TokenData(BaseModel):
     token: str
-    token_type: str = "Bearer"
+    token_type: Literal["Bearer"] = "Bearer"
     expires_in: int
 
 
@@ -108,7 +127,9 @@ class AgeDecision(BaseModel):
         "person alone"
     )
     quality: QualityReport | None = Field(
-        default=None, description="the subject's measurements and the age bar's failed checks (face_quality)"
+        default=None,
+        description="the subject's measurements and the age bar's failed checks (face_quality)",
+        exclude_if=_absent,
     )
 
 
@@ -117,15 +138,19 @@ class AgeData(BaseModel):
     age: int | None
     under_18: Literal[0, 50, 100] | None
     under_21: Literal[0, 50, 100] | None
-    unindexed_faces: list[QualityReport] | None = Field(default=None, description=_UNINDEXED)
-    age_decision: AgeDecision | None = None
+    unindexed_faces: list[QualityReport] | None = Field(
+        default=None, description=_UNINDEXED, exclude_if=_absent
+    )
+    age_decision: AgeDecision | None = Field(default=None, exclude_if=_absent)
 
 
 class FaceSearchResult(BaseModel):
     matched_faces: list[tuple[str, float, str, str]] = Field(description=_MATCHES)
     is_face_found: bool
-    unindexed_faces: list[QualityReport] | None = Field(default=None, description=_UNINDEXED)
-    probe_quality: ProbeQuality | None = None
+    unindexed_faces: list[QualityReport] | None = Field(
+        default=None, description=_UNINDEXED, exclude_if=_absent
+    )
+    probe_quality: ProbeQuality | None = Field(default=None, exclude_if=_absent)
 
 
 class FaceSearchResponse(BaseModel):
@@ -151,6 +176,8 @@ _PREFERENCE_APPLIED = {
 }
 _ERROR_DESCRIPTIONS: dict[int, str] = {
     401: "Missing, invalid, expired or revoked credentials",
+    404: "No such resource",
+    410: "Gone",
     413: "Body or image over the size / pixel limit",
     415: "Wrong Content-Type or not a JPEG/PNG image",
     422: "A field is missing or breaks its rule",
@@ -162,7 +189,9 @@ Responses = dict[int | str, dict[str, Any]]
 
 
 def error_responses(*codes: int, **descriptions: str) -> Responses:
-    """Error answers in the error envelope; descriptions (as s<code>=...) replace the common ones."""
+    """The one definition of the error answers: the error envelope under each code, with the common
+    description (s<code>=... replaces it). Routers declare the codes all their routes share, a route only
+    those of its own."""
     table: Responses = {}
     for code in codes:
         entry: dict[str, Any] = {

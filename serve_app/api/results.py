@@ -6,17 +6,21 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from serve_app.api.errors import error_body
 from serve_app.api.json_response import JSONResponse
 from serve_app.api.response_models import (
     AgeData,
     FaceSearchData,
     FaceSearchResponse,
     FaceSearchResult,
+    FailedData,
+    FailedResult,
+    FailedTransaction,
+    PendingData,
     ProbeQuality,
     QualityReport,
+    envelope,
+    respond,
 )
-from serve_app.api.routes.bodies import envelope
 from serve_app.api.tokens import TokenSigner
 from serve_app.domain import outcomes
 from serve_app.domain.transactions import Transaction, TransactionState
@@ -29,21 +33,32 @@ def result_response(tx: Transaction, base: str, signer: TokenSigner, created: bo
             if created
             else "The transaction is still being processed; poll again."
         )
-        data = {"reference_id": tx.reference_id, "state": tx.state.value}
-        return JSONResponse(envelope(message, data), status_code=202, headers={"Retry-After": "1"})
+        pending = PendingData(reference_id=tx.reference_id, state=tx.state.value)
+        return respond(envelope(message, pending), status_code=202, headers={"Retry-After": "1"})
     if tx.state is TransactionState.FAILED:
-        body = error_body(f"The transaction failed: {tx.error}", {"transaction": tx.error or "failed"})
-        body["result"] = {"data": {"reference_id": tx.reference_id, "state": tx.state.value}}
-        return JSONResponse(body, status_code=200)
+        failed = FailedTransaction(
+            status=False,
+            message=f"The transaction failed: {tx.error}",
+            errors={"transaction": tx.error or "failed"},
+            result=FailedResult(data=FailedData(reference_id=tx.reference_id, state=tx.state.value)),
+        )
+        return respond(failed)
     if tx.result is None:
         # complete() always stores the outcome; a completed record without one is a bug (a 500, logged).
         raise RuntimeError(f"completed transaction {tx.reference_id} has no outcome")
-    return JSONResponse(envelope("Transaction result.", render_outcome(tx, tx.result, base, signer)))
+    return respond(envelope("Transaction result.", outcome_data(tx, tx.result, base, signer)))
 
 
 def render_outcome(
     tx: Transaction, outcome: outcomes.Outcome, base: str, signer: TokenSigner
 ) -> dict[str, Any]:
+    """result.data of a final transaction as it goes on the wire."""
+    return outcome_data(tx, outcome, base, signer).model_dump(mode="json")
+
+
+def outcome_data(
+    tx: Transaction, outcome: outcomes.Outcome, base: str, signer: TokenSigner
+) -> AgeData | FaceSearchData:
     if isinstance(outcome, outcomes.AgeEstimationOutcome):
         data: dict[str, Any] = {
             "reference_id": tx.reference_id,
@@ -57,7 +72,7 @@ def render_outcome(
             data["age_decision"] = dataclasses.asdict(outcome.age_decision)
             if outcome.age_decision.quality is None:
                 del data["age_decision"]["quality"]
-        return AgeData.model_validate(data).model_dump(mode="json", exclude_unset=True)
+        return AgeData.model_validate(data)
     matched = [
         (
             match.face_id,
@@ -67,8 +82,7 @@ def render_outcome(
         )
         for match in outcome.matches
     ]
-    # The quality extensions appear only when a bar was missed, so a client of the interface sees its two
-    # fields alone in the usual case.
+    # The quality extensions are given only when a bar was missed (response_models leaves them out else).
     extensions: dict[str, Any] = {}
     if outcome.unindexed_faces:
         extensions["unindexed_faces"] = [
@@ -79,9 +93,8 @@ def render_outcome(
             {**dataclasses.asdict(outcome.probe_quality), "search_ok": False}
         )
     result = FaceSearchResult(matched_faces=matched, is_face_found=outcome.is_face_found, **extensions)
-    search = FaceSearchData(
+    return FaceSearchData(
         service_reference_id=tx.reference_id,
         client_reference=tx.client_reference or "",
         face_search_response=FaceSearchResponse(result=result),
     )
-    return search.model_dump(mode="json", exclude_unset=True)

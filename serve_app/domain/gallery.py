@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+# The page size of the listings (faces and audit trail): the one statement of the rule, read by the
+# pipeline that enforces it, the API whose schema states it, and the Python client.
+DEFAULT_PAGE_SIZE = 50
+MAX_PAGE_SIZE = 200
+
 
 class AuditAction(StrEnum):
     ERASE_REFERENCE = "erase_reference"

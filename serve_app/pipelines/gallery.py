@@ -22,12 +22,10 @@ from dataclasses import dataclass
 
 from serve_app.domain.errors import NotFound, ValidationFailed
 from serve_app.domain.faces import FaceRecord
-from serve_app.domain.gallery import AuditAction, AuditEntry, GalleryCounts
+from serve_app.domain.gallery import MAX_PAGE_SIZE, AuditAction, AuditEntry, GalleryCounts
 from serve_app.domain.identifiers import is_face_id
 from serve_app.stores.interfaces import AuditLog, BlobStore, FaceRecordStore, GalleryStore
 
-DEFAULT_PAGE_SIZE = 50
-MAX_PAGE_SIZE = 200
 _FACE_CURSOR = "face:"
 _AUDIT_CURSOR = "audit:"
 

@@ -1,15 +1,11 @@
-"""Helpers the route modules share for bodies: the success envelope, and the OpenAPI requestBody of a route
-that reads its body itself (one route takes JSON or multipart, which a FastAPI body parameter cannot)."""
+"""The OpenAPI requestBody of a route that reads its body itself (one route takes JSON or multipart, which a
+FastAPI body parameter cannot)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from pydantic import BaseModel
-
-
-def envelope(message: str, data: dict[str, Any]) -> dict[str, Any]:
-    return {"status": True, "message": message, "result": {"data": data}}
 
 
 def request_body(models: dict[str, type[BaseModel]]) -> dict[str, Any]:

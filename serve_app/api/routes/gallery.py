@@ -2,31 +2,40 @@
 docs/gallery.md, "Gallery management (extension)"). Same authentication, throttling and envelope as the
 interface's endpoints: the routes declare the Tenant and Services dependencies like every other router.
 
-Query values are read as strings and checked here, so a bad one gets the service's one error envelope (422)
-like every other invalid field, never FastAPI's own body.
+Query and path values are typed with the rules of serve_app.api.request_models, so a bad one gets the
+service's one error envelope (422) with the rule's own words, never FastAPI's own body.
 """
 
 from __future__ import annotations
 
 import re
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Path, Query, Request
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StringConstraints
+from pydantic.types import Strict
 
 from serve_app.api import parsing
 from serve_app.api.dependencies import ApiServices, Services, Tenant, base_url
 from serve_app.api.json_response import JSONResponse
-from serve_app.api.request_models import ClientReference, InterfaceBody, validate_body
-from serve_app.api.response_models import Envelope, error_responses
-from serve_app.api.routes.bodies import envelope, request_body
-from serve_app.domain.errors import ValidationFailed
+from serve_app.api.request_models import (
+    CLIENT_REFERENCE_PROBLEMS,
+    CONTROL_CHARACTERS,
+    ClientReference,
+    ClientReferenceText,
+    InterfaceBody,
+    Problem,
+    rule,
+    validate_body,
+)
+from serve_app.api.response_models import Envelope, envelope, error_responses, respond
+from serve_app.api.routes.bodies import request_body
+from serve_app.domain.gallery import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE
 from serve_app.domain.identifiers import FACE_ID_PATTERN
-from serve_app.pipelines.gallery import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE, GalleryService
+from serve_app.pipelines.gallery import GalleryService
 
 TAG = "gallery (extension)"
-_LIMIT_PATTERN = f"^([1-9]|[1-9][0-9]|1[0-9][0-9]|{MAX_PAGE_SIZE})?$"
 # Small bodies only: one client_reference.
 _MAX_BODY_BYTES = 4096
 
@@ -51,10 +60,6 @@ class DeletedFace(BaseModel):
 
 class ErasureRequest(InterfaceBody):
     client_reference: ClientReference
-
-
-class FaceFilter(InterfaceBody):
-    client_reference: ClientReference = None
 
 
 class ErasureResult(BaseModel):
@@ -84,22 +89,48 @@ class AuditPageData(BaseModel):
     next_cursor: str | None
 
 
-_ERRORS: dict[int | str, dict[str, Any]] = error_responses(401, 422, 429, 503)
-
-
 def iso(timestamp: float) -> str:
     return datetime.fromtimestamp(timestamp, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _limit(raw: str | None) -> int:
-    if raw is None or raw == "":
-        return DEFAULT_PAGE_SIZE
-    # The syntax only (no sign, leading zero or spaces); the range is the pipeline's rule.
-    if re.fullmatch(r"[1-9][0-9]{0,5}", raw) is None:
-        raise ValidationFailed(
-            f"limit must be between 1 and {MAX_PAGE_SIZE}.", {"limit": f"must be 1 to {MAX_PAGE_SIZE}"}
-        )
-    return int(raw)
+def _query_integer(value: object) -> object:
+    """Query text in the canonical form of an integer (no sign, leading zero or blanks) as that integer."""
+    if isinstance(value, str) and re.fullmatch(r"[1-9][0-9]{0,5}", value):
+        return int(value)
+    return value
+
+
+# An empty query value is an absent one: the default applies.
+PageSize = Annotated[
+    int,
+    rule(
+        Annotated[int, Strict(), Field(ge=1, le=MAX_PAGE_SIZE)] | Literal[""],
+        Problem(f"limit must be between 1 and {MAX_PAGE_SIZE}.", f"must be 1 to {MAX_PAGE_SIZE}"),
+        field="limit",
+        parse=_query_integer,
+        convert=lambda value, _: value or DEFAULT_PAGE_SIZE,
+    ),
+]
+ReferenceFilter = Annotated[
+    str | None,
+    rule(
+        ClientReferenceText | Literal[""],
+        CONTROL_CHARACTERS,
+        CLIENT_REFERENCE_PROBLEMS,
+        field="client_reference",
+        convert=lambda value, _: value or None,
+    ),
+]
+FaceId = Annotated[
+    str,
+    rule(
+        Annotated[str, StringConstraints(pattern=FACE_ID_PATTERN)],
+        Problem("face_id is not a valid face id.", "must be f followed by 32 hex digits"),
+        field="face_id",
+    ),
+]
+_LIMIT = Query(description=f"page size, 1 to {MAX_PAGE_SIZE}")
+_CURSOR = Query(description="next_cursor of the previous page")
 
 
 def _gallery(services: ApiServices) -> GalleryService:
@@ -109,35 +140,25 @@ def _gallery(services: ApiServices) -> GalleryService:
 
 
 def router() -> APIRouter:
-    routes = APIRouter(tags=[TAG], responses=_ERRORS)
-    # The rules are stated in the schema (json_schema_extra) but checked by the handlers, so a value that
-    # breaks them gets the service's envelope rather than FastAPI's own 422 body.
-    limit_query = Query(
-        None,
-        description=f"page size, 1 to {MAX_PAGE_SIZE} (default {DEFAULT_PAGE_SIZE})",
-        json_schema_extra={"pattern": _LIMIT_PATTERN},
-    )
-    cursor_query = Query(None, description="next_cursor of the previous page")
+    routes = APIRouter(tags=[TAG], responses=error_responses(401, 422, 429, 503))
 
     @routes.get(
         "/gallery/faces",
         summary="List the tenant's enrolled faces",
-        responses={200: {"model": Envelope[FacePage], "description": "One page of enrolled faces"}},
+        response_model=Envelope[FacePage],
+        responses={200: {"description": "One page of enrolled faces"}},
     )
     async def list_faces(
         request: Request,
         tenant_id: Tenant,
         services: Services,
-        client_reference: str | None = Query(
-            None,
-            description="only the faces of this client_reference",
-            json_schema_extra={"maxLength": 255, "pattern": "^([^\\x00-\\x1f]{5,})?$"},
-        ),
-        limit: str | None = limit_query,
-        cursor: str | None = cursor_query,
+        client_reference: Annotated[
+            ReferenceFilter, Query(description="only the faces of this client_reference")
+        ] = None,
+        limit: Annotated[PageSize, _LIMIT] = DEFAULT_PAGE_SIZE,
+        cursor: Annotated[str | None, _CURSOR] = None,
     ) -> JSONResponse:
-        wanted = validate_body(FaceFilter, {"client_reference": client_reference}).client_reference
-        page = await _gallery(services).list_faces(tenant_id, wanted, cursor, _limit(limit))
+        page = await _gallery(services).list_faces(tenant_id, client_reference, cursor, limit)
         base = base_url(request, services)
         faces = [
             GalleryFace(
@@ -149,35 +170,31 @@ def router() -> APIRouter:
             )
             for record in page.faces
         ]
-        data = FacePage(faces=faces, next_cursor=page.next_cursor)
-        return JSONResponse(envelope("Enrolled faces.", data.model_dump()))
+        return respond(envelope("Enrolled faces.", FacePage(faces=faces, next_cursor=page.next_cursor)))
 
     @routes.delete(
         "/gallery/faces/{face_id}",
         summary="Delete one enrolled face (vector, record and proof image)",
+        response_model=Envelope[DeletedFace],
         responses={
-            200: {"model": Envelope[DeletedFace], "description": "The face is gone"},
+            200: {"description": "The face is gone"},
             **error_responses(404, s404="No such face in this tenant's gallery"),
         },
     )
     async def delete_face(
         tenant_id: Tenant,
         services: Services,
-        face_id: str = Path(
-            description="f and 32 lowercase hex digits", json_schema_extra={"pattern": FACE_ID_PATTERN}
-        ),
+        face_id: Annotated[FaceId, Path(description="f and 32 lowercase hex digits")],
     ) -> JSONResponse:
         await _gallery(services).delete_face(tenant_id, tenant_id, face_id)
-        return JSONResponse(envelope("Face deleted.", DeletedFace(face_id=face_id).model_dump()))
+        return respond(envelope("Face deleted.", DeletedFace(face_id=face_id)))
 
     @routes.post(
         "/gallery/erasures",
         summary="Erase every face of a client_reference (idempotent)",
         openapi_extra=request_body({parsing.JSON: ErasureRequest}),
-        responses={
-            200: {"model": Envelope[ErasureResult], "description": "How many faces were erased (0 or more)"},
-            **error_responses(415),
-        },
+        response_model=Envelope[ErasureResult],
+        responses={200: {"description": "How many faces were erased (0 or more)"}, **error_responses(415)},
     )
     async def erase(request: Request, tenant_id: Tenant, services: Services) -> JSONResponse:
         fields = await parsing.read_fields(request, (parsing.JSON,), _MAX_BODY_BYTES)
@@ -189,12 +206,13 @@ def router() -> APIRouter:
             faces_erased=erasure.faces_erased,
             erased_at=iso(erasure.erased_at),
         )
-        return JSONResponse(envelope("Client reference erased.", data.model_dump()))
+        return respond(envelope("Client reference erased.", data))
 
     @routes.get(
         "/gallery/stats",
         summary="Gallery statistics of the tenant",
-        responses={200: {"model": Envelope[GalleryStatsData], "description": "Counts and dates"}},
+        response_model=Envelope[GalleryStatsData],
+        responses={200: {"description": "Counts and dates"}},
     )
     async def stats(tenant_id: Tenant, services: Services) -> JSONResponse:
         result = await _gallery(services).stats(tenant_id)
@@ -206,20 +224,21 @@ def router() -> APIRouter:
             oldest_enrolment=iso(counts.oldest_enrolment) if counts.oldest_enrolment is not None else None,
             newest_enrolment=iso(counts.newest_enrolment) if counts.newest_enrolment is not None else None,
         )
-        return JSONResponse(envelope("Gallery statistics.", data.model_dump()))
+        return respond(envelope("Gallery statistics.", data))
 
     @routes.get(
         "/gallery/audit",
         summary="The tenant's audit trail of deletions and erasures, newest first",
-        responses={200: {"model": Envelope[AuditPageData], "description": "One page of audit entries"}},
+        response_model=Envelope[AuditPageData],
+        responses={200: {"description": "One page of audit entries"}},
     )
     async def audit(
         tenant_id: Tenant,
         services: Services,
-        limit: str | None = limit_query,
-        cursor: str | None = cursor_query,
+        limit: Annotated[PageSize, _LIMIT] = DEFAULT_PAGE_SIZE,
+        cursor: Annotated[str | None, _CURSOR] = None,
     ) -> JSONResponse:
-        page = await _gallery(services).audit(tenant_id, cursor, _limit(limit))
+        page = await _gallery(services).audit(tenant_id, cursor, limit)
         entries = [
             AuditItem(
                 at=iso(entry.at),
@@ -230,7 +249,6 @@ def router() -> APIRouter:
             )
             for entry in page.entries
         ]
-        data = AuditPageData(entries=entries, next_cursor=page.next_cursor)
-        return JSONResponse(envelope("Audit trail.", data.model_dump()))
+        return respond(envelope("Audit trail.", AuditPageData(entries=entries, next_cursor=page.next_cursor)))
 
     return routes

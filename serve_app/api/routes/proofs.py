@@ -8,38 +8,35 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from serve_app.api.dependencies import Services, source_of
-from serve_app.api.response_models import ErrorEnvelope, error_responses
+from serve_app.api.response_models import error_responses
 from serve_app.domain.errors import NotFound, ProofExpired
 from serve_app.domain.identifiers import is_proof_token
 
 
 def router() -> APIRouter:
-    routes = APIRouter(tags=["proofs"])
+    routes = APIRouter(
+        tags=["proofs"],
+        # 422: FastAPI would otherwise document its own body for the path parameter; ours is the envelope.
+        responses=error_responses(
+            404,
+            410,
+            422,
+            429,
+            503,
+            s404="Invalid or tampered token, or the face was replaced",
+            s410="The proof URL expired (15 minutes after issue)",
+            s429="Too many invalid proof URLs, failed logins or failed credentials from this address; see "
+            "Retry-After",
+        ),
+    )
 
+    # The one route whose success is not JSON: an image, documented by its media types.
     @routes.get(
         "/get-proof/{proof_token}",
         summary="The enrolled image of a matched face",
         response_class=Response,
         responses={
-            200: {"description": "The enrolled image", "content": {"image/jpeg": {}, "image/png": {}}},
-            404: {
-                "model": ErrorEnvelope,
-                "description": "Invalid or tampered token, or the face was replaced",
-            },
-            # FastAPI would otherwise document its own 422 body for the path parameter; ours is the envelope.
-            **error_responses(422),
-            410: {"model": ErrorEnvelope, "description": "The proof URL expired (15 minutes after issue)"},
-            429: {
-                "model": ErrorEnvelope,
-                "description": "Too many invalid proof URLs, failed logins or failed credentials from this "
-                "address; see Retry-After",
-                "headers": {
-                    "Retry-After": {
-                        "description": "Seconds before trying again",
-                        "schema": {"type": "integer"},
-                    }
-                },
-            },
+            200: {"description": "The enrolled image", "content": {"image/jpeg": {}, "image/png": {}}}
         },
     )
     async def get_proof(proof_token: str, request: Request, services: Services) -> Response:

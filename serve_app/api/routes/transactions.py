@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Header, Request
 
 from serve_app.api import parsing
 from serve_app.api.dependencies import Services, Tenant, base_url
@@ -24,29 +24,30 @@ from serve_app.api.response_models import (
     Envelope,
     FaceSearchData,
     FailedTransaction,
+    envelope,
     error_responses,
     pending_response,
+    respond,
 )
 from serve_app.api.results import result_response
-from serve_app.api.routes.bodies import envelope, request_body
+from serve_app.api.routes.bodies import request_body
 from serve_app.pipelines.commands import AgeEstimationCommand, FaceSearchCommand
 
 # A /result body names one reference_id.
 _MAX_RESULT_BODY_BYTES = 4096
 
-# RFC 7240's Prefer is documented but read by the route itself, not declared as a FastAPI Header: a
-# declared header would be validated, and the RFC has servers ignore a preference they cannot parse.
-_PREFER_PARAMETER = {
-    "name": "Prefer",
-    "in": "header",
-    "required": False,
-    "description": (
-        "RFC 7240 `wait=<seconds>`: hold the request until the transaction is final or the wait (capped by "
-        "the server's wait_for_result bound, 10 s by default) runs out, instead of answering 202 at once. "
-        "Answers carry `Preference-Applied` when honoured."
+# RFC 7240's Prefer: declared as plain strings, so any value is accepted (the RFC has servers ignore a
+# preference they cannot parse); parsing.preferred_wait_s reads the wait from it.
+Prefer = Annotated[
+    tuple[str, ...],
+    Header(
+        alias="Prefer",
+        description="RFC 7240 `wait=<seconds>`, e.g. `wait=5`: hold the request until the transaction is "
+        "final or the wait (capped by the server's wait_for_result bound, 10 s by default) runs out, "
+        "instead of answering 202 at once. Answers carry `Preference-Applied` when honoured. Other "
+        "preferences are ignored.",
     ),
-    "schema": {"type": "string", "pattern": "^wait=[0-9]{1,2}$", "example": "wait=5"},
-}
+]
 
 
 async def face_search_body(request: Request, services: Services) -> FaceSearchRequest:
@@ -69,16 +70,14 @@ async def result_body(request: Request) -> ResultRequest:
 
 
 def router() -> APIRouter:
-    routes = APIRouter(tags=["transactions"])
+    routes = APIRouter(tags=["transactions"], responses=error_responses(401, 415, 422, 429, 503))
 
     @routes.post(
         "/face-search",
         summary="Search the tenant's gallery for the largest face (1:N), and enrol it",
         openapi_extra=request_body({parsing.JSON: FaceSearchJson, parsing.MULTIPART: FaceSearchForm}),
-        responses={
-            200: {"model": Envelope[CreatedData], "description": "Transaction created"},
-            **error_responses(401, 413, 415, 422, 429, 503),
-        },
+        response_model=Envelope[CreatedData],
+        responses={200: {"description": "Transaction created"}, **error_responses(413)},
     )
     async def face_search(
         tenant: Tenant,
@@ -93,21 +92,23 @@ def router() -> APIRouter:
             enroll_face=body.enroll_face,
         )
         tx = await services.transactions.create_face_search(command)
-        return JSONResponse(envelope("Face search transaction created.", {"reference_id": tx.reference_id}))
+        return respond(
+            envelope("Face search transaction created.", CreatedData(reference_id=tx.reference_id))
+        )
 
     @routes.post(
         "/age-estimation",
         summary="Estimate the age of the largest face",
         openapi_extra=request_body({parsing.MULTIPART: AgeEstimationRequest}),
+        response_model=Envelope[CreatedData | AgeData] | FailedTransaction,
         responses={
             200: {
-                "model": Envelope[CreatedData | AgeData] | FailedTransaction,
                 "description": "Transaction created (data: reference_id); with wait_for_result=1 and a "
                 "final result, the data also carries the age result, or the body is the failed-transaction "
                 "envelope",
             },
             **pending_response(long_polling=False),
-            **error_responses(401, 413, 415, 422, 429, 503),
+            **error_responses(413),
         },
     )
     async def age_estimation(
@@ -120,9 +121,8 @@ def router() -> APIRouter:
             AgeEstimationCommand(tenant_id=tenant, image=body.file, enroll_face=body.enroll_face)
         )
         if not body.wait_for_result:
-            return JSONResponse(
-                envelope("Age estimation transaction created.", {"reference_id": tx.reference_id})
-            )
+            created = CreatedData(reference_id=tx.reference_id)
+            return respond(envelope("Age estimation transaction created.", created))
         final = await services.transactions.wait_final(tx, services.wait_for_result_timeout_s)
         final = await services.transactions.readable(final)
         return result_response(final, base_url(request, services), services.signer, created=True)
@@ -130,19 +130,15 @@ def router() -> APIRouter:
     @routes.post(
         "/result",
         summary="The state or the outcome of a transaction",
-        openapi_extra={
-            "parameters": [_PREFER_PARAMETER],
-            **request_body({parsing.JSON: ResultRequest, parsing.URLENCODED: ResultRequest}),
-        },
+        openapi_extra=request_body({parsing.JSON: ResultRequest, parsing.URLENCODED: ResultRequest}),
+        response_model=Envelope[FaceSearchData | AgeData] | FailedTransaction,
         responses={
             200: {
-                "model": Envelope[FaceSearchData | AgeData] | FailedTransaction,
                 "description": "Final result (face search or age estimation data), or the failed-transaction "
                 "envelope (status false, errors.transaction, result.data.state = failed)",
                 "headers": PREFERENCE_APPLIED_HEADER,
             },
             **pending_response(long_polling=True),
-            **error_responses(401, 415, 422, 429, 503),
         },
     )
     async def result(
@@ -150,12 +146,11 @@ def router() -> APIRouter:
         tenant: Tenant,
         body: Annotated[ResultRequest, Depends(result_body)],
         services: Services,
+        prefer: Prefer = (),
     ) -> JSONResponse:
         tx = await services.transactions.get_for_tenant(tenant, body.reference_id)
         # Long polling: one held request replaces the several polls a client would otherwise send.
-        wait_s = parsing.preferred_wait_s(
-            request.headers.getlist("prefer"), services.wait_for_result_timeout_s
-        )
+        wait_s = parsing.preferred_wait_s(prefer, services.wait_for_result_timeout_s)
         if wait_s > 0 and not tx.state.is_final:
             tx = await services.transactions.wait_final(tx, wait_s)
         tx = await services.transactions.readable(tx)
