@@ -20,7 +20,7 @@ FORBIDDEN = (
     "models.sessions",
     "models.convert",
     "models.age_v2",
-    "serve_app.wiring",
+    "serve_app.wiring.worker",
     "serve_app.pipelines.worker",
 )
 
