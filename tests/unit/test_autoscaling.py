@@ -1,5 +1,5 @@
 """The workers' autoscaling policy: one replica per target backlog, never none (serve_app/deployments/
-autoscaling.py), and the shipped in-process config that names it."""
+autoscaling.py), and the default config that names it."""
 
 from __future__ import annotations
 
