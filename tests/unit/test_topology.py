@@ -12,7 +12,8 @@ import pytest
 from serve_app.deployments.analysis import ModelAnalysis, OwnModels
 from serve_app.launch.topology import DEPLOYMENTS, build_app
 from serve_app.settings import Settings
-from serve_app.wiring import stores as stores_module
+from serve_app.stores.milvus_gallery import MilvusGalleryStore
+from serve_app.stores.redis_support import connect_redis
 from serve_app.wiring.worker import WorkerStores, build_reconciler, build_worker
 from tests.unit.fakes import ScriptedAnalysis
 
@@ -67,19 +68,18 @@ def test_a_worker_process_opens_one_redis_pool_and_one_milvus_client(
 ) -> None:
     pools: list[object] = []
     galleries: list[object] = []
-    connect_redis = stores_module.connect_redis
-    gallery_class = stores_module.MilvusGalleryStore
 
     def counted_pool(*args: Any, **kwargs: Any) -> Any:
         pools.append(connect_redis(*args, **kwargs))
         return pools[-1]
 
     def counted_gallery(*args: Any, **kwargs: Any) -> Any:
-        galleries.append(gallery_class(*args, **kwargs))
+        galleries.append(MilvusGalleryStore(*args, **kwargs))
         return galleries[-1]
 
-    monkeypatch.setattr(stores_module, "connect_redis", counted_pool)
-    monkeypatch.setattr(stores_module, "MilvusGalleryStore", counted_gallery)
+    # Every store of the process is built by serve_app.wiring.stores, which names both.
+    monkeypatch.setattr("serve_app.wiring.stores.connect_redis", counted_pool)
+    monkeypatch.setattr("serve_app.wiring.stores.MilvusGalleryStore", counted_gallery)
 
     async def as_the_worker_replica_builds_it() -> None:
         # What TransactionWorker.__init__ builds: the stores once, the queue worker and reconciler on them.
