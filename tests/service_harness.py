@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from serve_app.launch.deploy_config import direct_ingress_env, load_serve_config
+from serve_app.launch.deploy_config import DIRECT_INGRESS_FLAG, direct_ingress_env, load_serve_config
 from serve_app.launch.embedded import EmbeddedServices, free_port
 from serve_app.launch.topology import AppArgs
 from serve_app.settings import Settings
@@ -105,7 +105,9 @@ def running_service(
     overrides = {
         **loopback_ray_env(ray_tmp),
         "FACESEARCH_DATA_DIR": str(data_dir),
-        **(direct_ingress_env(direct_port) if direct_port else {}),
+        # Off explicitly otherwise: a service started from a process that runs one with direct ingress (the
+        # test session's) would inherit the flag and that service's one port, which is taken.
+        **(direct_ingress_env(direct_port) if direct_port else {DIRECT_INGRESS_FLAG: "0"}),
         **(env or {}),
     }
     saved = {key: os.environ.get(key) for key in overrides}
