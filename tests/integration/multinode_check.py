@@ -255,8 +255,8 @@ def scenario(work: Path, namespace_b: str, token: str) -> int:
     )  # fmt: skip
     if deploy.returncode != 0:
         raise RuntimeError(f"serve deploy failed: {deploy.stdout}{deploy.stderr}")
-    poll(lambda: healthy() and running_on_b(token), 240, "application running with its model on node B")
-    log(f"deployed with `serve deploy`, model replica on node B ({time.monotonic() - started:.1f} s)")
+    poll(lambda: healthy() and running_on_b(token), 240, "application running with its worker on node B")
+    log(f"deployed with `serve deploy`, worker (models) on node B ({time.monotonic() - started:.1f} s)")
 
     # Token auth is on across the nodes: the dashboard refuses a caller without the token.
     assert httpx.get(f"{DASHBOARD}/api/serve/applications/", timeout=10).status_code == 401
@@ -349,7 +349,7 @@ def scenario(work: Path, namespace_b: str, token: str) -> int:
                 lost += 1
                 outcomes.append(None)
         restarted.wait(60)
-        poll(lambda: running_on_b(token), 120, "model replica on node B after the restart")
+        poll(lambda: running_on_b(token), 120, "worker replica on node B after the restart")
         expected = [result for result, ref in zip(baseline, burst_refs, strict=True) if ref]
         same = sum(1 for got, want in zip(outcomes, expected, strict=True) if got == want)
         summary = {
