@@ -79,7 +79,7 @@ class TransactionWorker:
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         # Unknown keys fail the deploy (the replica does not start), naming the key.
         self._worker.update_policy(
-            worker_policy(self._settings, WorkerConfig.model_validate(user_config or {}))
+            worker_policy(self._settings, **WorkerConfig.model_validate(user_config or {}).model_dump())
         )
 
     async def _report(self) -> None:

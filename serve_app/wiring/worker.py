@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 from models.calibration import FaceScoreCalibration
 from models.embedder import MODEL_VERSION
-from serve_app.deployments.user_config import WorkerConfig
 from serve_app.pipelines.analysis import DeadlineAnalysis, FaceAnalysisBackend
 from serve_app.pipelines.processing import ProcessingPolicy, TransactionProcessor
 from serve_app.pipelines.reconcile import ReconcilePolicy, Reconciler
@@ -65,13 +64,18 @@ def build_processor(
     )
 
 
-def worker_policy(settings: Settings, overrides: WorkerConfig | None = None) -> WorkerPolicy:
+def worker_policy(
+    settings: Settings,
+    *,
+    concurrency: int | None = None,
+    stale_after_s: float | None = None,
+    max_deliveries: int | None = None,
+) -> WorkerPolicy:
     """The worker's policy: Settings.worker, with what the deployment's user_config sets on top."""
-    overrides = overrides or WorkerConfig()
     return WorkerPolicy(
-        concurrency=overrides.concurrency or settings.worker.concurrency,
-        stale_after_s=overrides.stale_after_s or settings.worker.stale_after_s,
-        max_deliveries=overrides.max_deliveries or settings.worker.max_deliveries,
+        concurrency=concurrency or settings.worker.concurrency,
+        stale_after_s=stale_after_s or settings.worker.stale_after_s,
+        max_deliveries=max_deliveries or settings.worker.max_deliveries,
     )
 
 
