@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps
 
-from serve_app.embedded import EmbeddedRedis
+from serve_app.launch.embedded import EmbeddedRedis
 
 
 def load_image(path: Path) -> np.ndarray:

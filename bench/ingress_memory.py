@@ -1,7 +1,7 @@
 """Memory of each replica of the running service, the ingress' above all (issue 13: the ingress must not load
 model libraries).
 
-    python -m bench.ingress_memory [--topology fused]
+    python -m bench.ingress_memory [--topology split]
 
 Starts the service as the tests do (127.0.0.1, embedded Redis and milvus-lite, a temporary data dir), makes
 a few calls so the ingress has served requests, then prints the resident (RSS) and unique (USS) memory of
@@ -54,11 +54,13 @@ def _maps_model_libraries(process: psutil.Process) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--topology", choices=("fused", "split"), default="fused")
+    parser.add_argument("--topology", choices=("in_process", "split"), default="in_process")
     args = parser.parse_args()
+    # in_process: the default config (config/serve.yaml), as `facesearch start` runs it.
+    app_args = None if args.topology == "in_process" else {"topology": args.topology}
     with (
         tempfile.TemporaryDirectory() as data_dir,
-        running_service(Path(data_dir), {"topology": args.topology}) as service,
+        running_service(Path(data_dir), app_args) as service,
     ):
         token = service.token_for(service.new_client("bench"))
         with service.http() as http:

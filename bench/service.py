@@ -9,7 +9,7 @@ running service's face search (create + polite polling of /result, and create + 
 age crops, at 1, 8 and 32 concurrent clients, with throughput, its share of the in-process rate on the same
 photos, and p50/p95/p99 latency.
 
-    python -m bench.service [--requests 64] [--topology fused split] [--concurrency 1 8 32]
+    python -m bench.service [--requests 64] [--topology in_process split] [--concurrency 1 8 32]
 
 With both topologies (the default) each gets a fresh service in turn, and the one table compares them.
 
@@ -38,14 +38,14 @@ import numpy as np
 
 from bench.common import format_table, load_image
 from facesearch_client import AsyncFaceSearchClient, Pending, RetryPolicy
-from serve_app.deploy_config import load_serve_config
+from serve_app.launch.deploy_config import load_serve_config
 from tests.faces_dev import REPO_ROOT, load_faces_dev
 from tests.service_harness import RunningService, running_service
 
 if TYPE_CHECKING:
     from models.analyzer import ModelConfig
 
-IN_PROCESS_CONFIG = REPO_ROOT / "config" / "serve-in-process.yaml"
+DEFAULT_CONFIG = REPO_ROOT / "config" / "serve.yaml"  # the one-machine CPU topology, in_process
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -236,7 +236,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64, help="requests per phase")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument(
-        "--topology", nargs="+", default=["fused", "split"], choices=("fused", "split", "in_process")
+        "--topology", nargs="+", default=["in_process", "split"], choices=("in_process", "split")
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--phase-timeout", type=float, default=300.0)
@@ -305,7 +305,7 @@ def add_ingress_argument(parser: argparse.ArgumentParser) -> None:
 
 def uses_direct_ingress(topology: str, ingress: str) -> bool:
     if ingress == "shipped":
-        return topology == "in_process" and load_serve_config(IN_PROCESS_CONFIG).direct_ingress
+        return topology == "in_process" and load_serve_config(DEFAULT_CONFIG).direct_ingress
     return ingress == "direct"
 
 

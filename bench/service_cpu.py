@@ -1,6 +1,6 @@
 """Where a transaction's CPU goes: CPU milliseconds per transaction in each process of the running service.
 
-    python -m bench.service_cpu [--topology fused] [--requests 96] [--concurrency 8]
+    python -m bench.service_cpu [--topology split] [--requests 96] [--concurrency 8]
 
 Starts the service as bench.service does (127.0.0.1, embedded Redis and milvus-lite, a temporary data
 dir), warms it up, then for each kind of client call (face search with polling and with long polling, age
@@ -147,7 +147,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--topology", default="in_process", choices=("in_process", "fused", "split"))
+    parser.add_argument("--topology", default="in_process", choices=("in_process", "split"))
     parser.add_argument("--requests", type=int, default=96, help="calls per phase")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)

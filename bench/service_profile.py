@@ -5,7 +5,7 @@
 
 Starts the service as bench.service does (127.0.0.1, embedded Redis and milvus-lite, a temporary data dir),
 warms it up, then keeps --concurrency clients making one kind of call while `py-spy record` samples Serve's
-HTTP proxy, the ingress and the worker (and the model replica in the fused topology) for --seconds. By
+HTTP proxy, the ingress and the worker (which runs the models in the in_process topology) for --seconds. By
 default only the thread holding the GIL is sampled: that is the Python work, the plumbing this benchmark is
 about (native code that releases the GIL, such as ONNX Runtime's kernels or Pillow's decoder, is then not
 seen; --all-threads samples it too, though py-spy then also counts some threads blocked in native calls as
@@ -43,7 +43,7 @@ from bench.service import (
 from bench.service_cpu import process_role
 from tests.faces_dev import load_faces_dev
 
-PROFILED_ROLES = ("Serve HTTP proxy", "ApiIngress", "TransactionWorker", "FaceAnalysisModel")
+PROFILED_ROLES = ("Serve HTTP proxy", "ApiIngress", "TransactionWorker")
 # Frames on more than this share of the samples (the event loop, a thread's run()) say nothing.
 _ROOT_SHARE = 0.85
 
@@ -152,7 +152,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--topology", default="in_process", choices=("in_process", "fused", "split"))
+    parser.add_argument("--topology", default="in_process", choices=("in_process", "split"))
     parser.add_argument("--call", default="face-search (create+long poll)")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--seconds", type=int, default=20)

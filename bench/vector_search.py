@@ -50,7 +50,7 @@ import numpy as np
 from bench.common import format_table
 from models.embedder import FUSED_DIM
 from serve_app.domain.faces import GalleryEntry
-from serve_app.embedded import EmbeddedMilvus
+from serve_app.launch.embedded import EmbeddedMilvus
 from serve_app.settings import MilvusSettings
 from serve_app.stores.milvus_gallery import (
     CONSISTENCY_LEVELS,

@@ -1,5 +1,6 @@
 """Starts the real application for tests and benchmarks: embedded redis-server and milvus-lite on
-127.0.0.1, a local Ray bound to 127.0.0.1, and the Serve app on a free loopback port."""
+127.0.0.1, a local Ray bound to 127.0.0.1, and the Serve app on a free loopback port. Without other
+arguments the application is the default config's (config/serve.yaml), as `facesearch start` runs it."""
 
 from __future__ import annotations
 
@@ -21,11 +22,13 @@ from typing import Any
 
 import httpx
 
-from serve_app.deploy_config import direct_ingress_env
-from serve_app.embedded import EmbeddedServices, free_port
+from serve_app.launch.deploy_config import DIRECT_INGRESS_FLAG, direct_ingress_env, load_serve_config
+from serve_app.launch.embedded import EmbeddedServices, free_port
+from serve_app.launch.topology import AppArgs
 from serve_app.settings import Settings
 
 RAY_START_ATTEMPTS = 3
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "serve.yaml"
 
 
 @dataclass
@@ -47,7 +50,7 @@ class RunningService:
         return httpx.Client(base_url=self.base_url, timeout=timeout)
 
     def new_client(self, name: str = "tests") -> Client:
-        from serve_app.wiring import redis_stores
+        from serve_app.wiring.stores import redis_stores
 
         async def create() -> Client:
             info, secret = await redis_stores(self.settings).clients.create(name)
@@ -78,25 +81,33 @@ def loopback_ray_env(tmp: Path) -> dict[str, str]:
 @contextlib.contextmanager
 def running_service(
     data_dir: Path,
-    args: dict[str, Any] | None = None,
+    args: dict[str, Any] | AppArgs | None = None,
     env: dict[str, str] | None = None,
     start_timeout_s: float = 300,
-    direct_ingress: bool = False,
+    direct_ingress: bool | None = None,
 ) -> Iterator[RunningService]:
-    """With direct_ingress, clients reach the ingress replica's own HTTP server (base_url), as `facesearch
-    start` sets it up for a config that asks for it; Serve's proxy then listens on a port nobody calls."""
+    """args: the application's (default: config/serve.yaml's). With direct_ingress (default: as that
+    config says when args is not given, else off), clients reach the ingress replica's own HTTP server
+    (base_url), as `facesearch start` sets it up for a config that asks for it; Serve's proxy then listens
+    on a port nobody calls."""
     import ray
     from ray import serve
 
-    from serve_app.graph import bind_app
+    from serve_app.launch.topology import bind_app
 
+    if args is None:
+        shipped = load_serve_config(DEFAULT_CONFIG)
+        args = shipped.args
+        direct_ingress = shipped.direct_ingress if direct_ingress is None else direct_ingress
     ray_tmp = Path(f"/tmp/ray-{os.getpid()}")
     ray_tmp.mkdir(parents=True, exist_ok=True)
     direct_port = free_port() if direct_ingress else None
     overrides = {
         **loopback_ray_env(ray_tmp),
         "FACESEARCH_DATA_DIR": str(data_dir),
-        **(direct_ingress_env(direct_port) if direct_port else {}),
+        # Off explicitly otherwise: a service started from a process that runs one with direct ingress (the
+        # test session's) would inherit the flag and that service's one port, which is taken.
+        **(direct_ingress_env(direct_port) if direct_port else {DIRECT_INGRESS_FLAG: "0"}),
         **(env or {}),
     }
     saved = {key: os.environ.get(key) for key in overrides}
@@ -111,7 +122,7 @@ def running_service(
         os.environ.update(backends)
         proxy_port, metrics_port = _start_ray_and_serve(overrides)
         base_url = f"http://127.0.0.1:{direct_port or proxy_port}"
-        _deploy(bind_app(args or {}), start_timeout_s)
+        _deploy(bind_app(args), start_timeout_s)
         _wait_ready(base_url, start_timeout_s)
         yield RunningService(
             base_url=base_url,

@@ -1,1 +1,1 @@
-"""Ray Serve wrappers. The only package (with serve_app/graph.py) that imports Ray."""
+"""Ray Serve wrappers. The only package (with serve_app/launch/) that imports Ray."""

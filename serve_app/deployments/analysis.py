@@ -1,21 +1,22 @@
-"""The worker's analysis backends (serve_app.pipelines.analysis.FaceAnalysisBackend), one per wiring of the
-same analysis:
+"""The worker's analysis backends (serve_app.pipelines.analysis.FaceAnalysisBackend), one per topology, and
+the small picklable recipes the topology binds into the worker (serve_app.launch.topology). A recipe is
+built in the worker's replica, so the models load there and never travel through Ray:
 
-- FusedAnalysis: one hop to FaceAnalysisModel, which runs FaceAnalyzer.analyze_each in its replica.
-- InProcessAnalysis (CPU topology `in_process`): the worker owns the models; concurrent transactions are
-  batched into AnalysisRunner runs in the worker's own process, without a handle hop.
-- SplitAnalysis (GPU topology): FaceAnalyzer's stages across the detector, embedder and age deployments.
-  The worker letterboxes and aligns locally, so only fixed-size arrays cross the handles: a uint8 640x640
-  letterboxed image to the detector, 150 px (dlib) and 112 px (SFace) chips to the embedder, and the
-  subject's 224 px views to the age model. Each model runs only when the transaction needs it (face search:
-  no age model; age estimation: embedders only when enrolling), and the answers are put together by
-  FaceAnalyzer.assemble, as in one process.
+- OwnModels (CPU, one machine): the worker owns the models; concurrent transactions are batched into
+  AnalysisRunner runs in the worker's own process, without a handle hop (ModelAnalysis).
+- ModelDeployments (GPU): FaceAnalyzer's stages across the detector, embedder and age deployments
+  (SplitAnalysis). The worker letterboxes and aligns locally, so only fixed-size arrays cross the handles:
+  a uint8 640x640 letterboxed image to the detector, 150 px (dlib) and 112 px (SFace) chips to the embedder,
+  and the subject's 224 px views to the age model. Each model runs only when the transaction needs it
+  (face search: no age model; age estimation: embedders only when enrolling), and the answers are put
+  together by FaceAnalyzer.assemble, as in one process.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 from ray.serve.handle import DeploymentHandle
@@ -26,26 +27,33 @@ from models.types import AgeEstimate, AnalyzedFace, DetectedFace
 from serve_app.deployments.models import RunnerBatcher
 
 
-class FusedAnalysis:
-    """Analysis by the single FaceAnalysisModel deployment: one hop, the decoded image crosses it."""
+class WorkerAnalysis(Protocol):
+    """What the worker analyses with: FaceAnalysisBackend, plus its part of the replica's health check."""
 
-    def __init__(self, handle: DeploymentHandle[Any]) -> None:
-        self._handle = handle
+    async def analyze(self, image: np.ndarray, *, embed: bool, estimate_age: bool) -> list[AnalyzedFace]: ...
 
-    async def analyze(self, image: np.ndarray, *, embed: bool, estimate_age: bool) -> list[AnalyzedFace]:
-        faces: list[AnalyzedFace] = await self._handle.run.remote(AnalysisRequest(image, embed, estimate_age))
-        return faces
+    async def check(self) -> None:
+        """Raise when the models this replica owns cannot run (a replica that owns none has nothing to do)."""
 
 
-class InProcessAnalysis:
+class AnalysisRecipe(Protocol):
+    """Bound into the worker by the topology; built once in the worker's replica."""
+
+    def build(self) -> WorkerAnalysis: ...
+
+
+class ModelAnalysis:
     """The analysis runner in this process, batched across the worker's concurrent transactions."""
 
-    def __init__(self, batcher: RunnerBatcher) -> None:
-        self._batcher = batcher
+    def __init__(self, model_config: dict[str, Any]) -> None:
+        self._batcher = RunnerBatcher("analysis", model_config)
 
     async def analyze(self, image: np.ndarray, *, embed: bool, estimate_age: bool) -> list[AnalyzedFace]:
         faces: list[AnalyzedFace] = await self._batcher.run(AnalysisRequest(image, embed, estimate_age))
         return faces
+
+    async def check(self) -> None:
+        await self._batcher.check()
 
 
 class SplitAnalysis:
@@ -73,6 +81,9 @@ class SplitAnalysis:
         results = FaceResults(embeddings=embeddings, ages=ages, age_faces=crops.age_faces)
         return FaceAnalyzer.assemble(faces, results, crops.qualities)
 
+    async def check(self) -> None:
+        """The model deployments check their own models."""
+
     async def _embeddings(self, crops: FaceCrops) -> np.ndarray | None:
         if crops.descriptor_chips is None or crops.sface_chips is None:
             return None
@@ -85,3 +96,27 @@ class SplitAnalysis:
         if crops.age_views is None:
             return None
         return list(await self._age.run.remote(crops.age_views))
+
+
+@dataclass(frozen=True)
+class OwnModels:
+    """The worker owns the models (the one-machine CPU topology)."""
+
+    model_config: dict[str, Any] = field(default_factory=dict)
+
+    def build(self) -> WorkerAnalysis:
+        return ModelAnalysis(self.model_config)
+
+
+@dataclass(frozen=True)
+class ModelDeployments:
+    """The models run in their own deployments (the GPU topology); Serve turns the bound deployments into
+    handles in the worker's replica."""
+
+    detector: DeploymentHandle[Any]
+    embedder: DeploymentHandle[Any]
+    age: DeploymentHandle[Any]
+    model_config: dict[str, Any] = field(default_factory=dict)
+
+    def build(self) -> WorkerAnalysis:
+        return SplitAnalysis(self.detector, self.embedder, self.age, self.model_config)

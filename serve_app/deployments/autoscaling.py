@@ -1,13 +1,13 @@
 """Scaling the transaction workers on the work queue's backlog.
 
 Serve's default policy scales a deployment on the requests its replicas are handling, but a transaction
-worker receives no requests: it pulls its work from the Redis stream. In the in_process topology the worker
+worker receives no requests: it pulls its work from the Redis stream. In the one-machine topology the worker
 also owns the models, so its replicas are the service's whole analysis capacity; they are scaled on the work
 that waits for them instead. Every worker replica reports `backlog`, the transactions queued or in flight
 (the stream's unacknowledged entries, one number for the whole service), through Serve's custom autoscaling
 metrics (TransactionWorker.record_autoscaling_stats), and QueueBacklogPolicy asks for one replica per
 `target_backlog_per_replica` of it. Serve applies min_replicas, max_replicas and the up/downscale delays
-around the policy (config/serve-in-process.yaml shows the configuration).
+around the policy (config/serve.yaml shows the configuration).
 
 Serve pickles this module by value into its controller: it imports nothing beyond the standard library.
 """

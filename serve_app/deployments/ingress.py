@@ -11,8 +11,8 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.api.app import create_app
-from serve_app.api_wiring import build_api_services
 from serve_app.settings import Settings
+from serve_app.wiring.api import build_api_services
 
 
 # Ray Serve's documented ingress decorator, in the form its docstring (ray 2.60, serve/api.py `ingress`)

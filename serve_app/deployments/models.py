@@ -1,9 +1,11 @@
-"""The model deployment: one batched Serve deployment that runs any model runner from models/runners.py.
+"""Batched model runners: RunnerBatcher (any runner from models/runners.py behind serve.batch) and the model
+deployment that serves one.
 
-CPU default: one FaceAnalysisModel (detect + align + embed + age in one replica) because on a 2-core box
-every deployment hop costs about as much CPU as a model. GPU config: FaceDetectorModel, FaceEmbedderModel
-and AgeModel, each with a fractional GPU so it scales on its own. All four are BatchedModel under the name
-the config files use, bound to a different stage; their user_config is deploy_config.BatchConfig.
+CPU (one machine): no model deployment; the transaction worker owns a RunnerBatcher of the whole analysis,
+because on a 2-core box every deployment hop costs about as much CPU as a model. GPU config:
+FaceDetectorModel, FaceEmbedderModel and AgeModel, each with a fractional GPU so it scales on its own. All
+three are BatchedModel under the name the config files use, bound to a different stage; their user_config is
+user_config.BatchConfig.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from ray import serve
 
 from models.analyzer import ModelConfig
 from models.runners import BatchRunner, Stage, load_runner
-from serve_app.deploy_config import BatchConfig
 from serve_app.deployments.metrics import ModelMetrics
+from serve_app.deployments.user_config import BatchConfig
 
 logger = logging.getLogger(__name__)
 _Result = TypeVar("_Result")
@@ -42,8 +44,8 @@ class InferenceLane:
 
 class RunnerBatcher:
     """A model runner behind serve.batch: calls from concurrent requests are gathered into one run (sizes
-    from BatchConfig, changeable live), which runs off the event loop. Used by the model deployment and,
-    in the in-process topology, inside the transaction worker."""
+    from BatchConfig, changeable live), which runs off the event loop. Used by the model deployments and,
+    on one machine, inside the transaction worker."""
 
     def __init__(self, stage: Stage, model_config: dict[str, Any] | None = None) -> None:
         self._runner: BatchRunner = load_runner(stage, ModelConfig.from_dict(model_config or {}))
@@ -86,9 +88,8 @@ class BatchedModel:
         await self._batcher.check()
 
 
-# The deployments the topologies and config files name (serve_app.deploy_config.DEPLOYMENTS).
+# The deployments the GPU topology and its config files name (serve_app.launch.topology.DEPLOYMENTS).
 # (Serve's decorator returns a Deployment, which its type hints do not say.)
-FaceAnalysisModel = cast(Any, BatchedModel).options(name="FaceAnalysisModel")
 FaceDetectorModel = cast(Any, BatchedModel).options(name="FaceDetectorModel")
 FaceEmbedderModel = cast(Any, BatchedModel).options(name="FaceEmbedderModel")
 AgeModel = cast(Any, BatchedModel).options(name="AgeModel")

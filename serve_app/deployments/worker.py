@@ -10,19 +10,16 @@ from typing import Any
 
 from ray import serve
 from ray.serve.exceptions import RayServeException
-from ray.serve.handle import DeploymentHandle
 
-from serve_app.deploy_config import WorkerConfig
-from serve_app.deployments.analysis import FusedAnalysis, InProcessAnalysis, SplitAnalysis
+from serve_app.deployments.analysis import AnalysisRecipe
 from serve_app.deployments.autoscaling import BACKLOG_METRIC
 from serve_app.deployments.metrics import ReconcileMetrics, WorkerMetrics
-from serve_app.deployments.models import RunnerBatcher
+from serve_app.deployments.user_config import WorkerConfig
 from serve_app.domain.errors import BackendUnavailable
-from serve_app.pipelines.analysis import FaceAnalysisBackend
 from serve_app.pipelines.result_archive import ResultArchiver
 from serve_app.settings import Settings
 from serve_app.stores.redis_lease import RedisLease
-from serve_app.wiring import build_reconciler, build_worker, result_archive, worker_policy
+from serve_app.wiring.worker import WorkerStores, build_reconciler, build_worker, worker_policy
 
 logger = logging.getLogger(__name__)
 
@@ -45,38 +42,22 @@ def consumer_name() -> str:
     num_replicas=1, max_ongoing_requests=8, health_check_period_s=10, ray_actor_options={"num_cpus": 0.25}
 )
 class TransactionWorker:
-    def __init__(
-        self,
-        analysis_model: DeploymentHandle[Any] | None = None,
-        detector: DeploymentHandle[Any] | None = None,
-        embedder: DeploymentHandle[Any] | None = None,
-        age: DeploymentHandle[Any] | None = None,
-        model_config: dict[str, Any] | None = None,
-        in_process: bool = False,
-    ) -> None:
-        analysis: FaceAnalysisBackend
-        # In process: this replica owns the models (CPU topology without the worker->model hop).
-        self._models = RunnerBatcher("analysis", model_config) if in_process else None
-        if self._models is not None:
-            analysis = InProcessAnalysis(self._models)
-        elif analysis_model is not None:
-            analysis = FusedAnalysis(analysis_model)
-        elif detector is not None and embedder is not None and age is not None:
-            analysis = SplitAnalysis(detector, embedder, age, model_config or {})
-        else:
-            raise ValueError(
-                "TransactionWorker needs in_process, analysis_model, or detector, embedder and age"
-            )
+    def __init__(self, analysis: AnalysisRecipe) -> None:
+        """analysis: how this replica analyses, as the topology chose (serve_app.launch.topology): its own
+        models, or the model deployments' handles."""
+        self._analysis = analysis.build()
         # Read in the replica from its own environment: the signing key and backend credentials are never
         # bind arguments, which Ray pickles into the controller's stored state.
         settings = Settings.from_env()
         self._settings = settings
         self._consumer = consumer_name()
         self._metrics = WorkerMetrics()
-        self._worker, self._stores = build_worker(
-            settings, analysis, self._consumer, self._metrics.observe_transaction
+        # One Redis pool and one Milvus client for the whole replica: worker, reconciliation and archive.
+        self._stores = WorkerStores.build(settings)
+        self._worker, _ = build_worker(
+            settings, self._analysis, self._consumer, self._metrics.observe_transaction, self._stores
         )
-        self._reconciler = build_reconciler(settings, self._consumer)
+        self._reconciler = build_reconciler(settings, self._consumer, self._stores)
         self._reconcile_metrics = ReconcileMetrics()
         self._backlog = 0.0  # last queue depth read for the autoscaler
         self._stop = asyncio.Event()
@@ -98,16 +79,16 @@ class TransactionWorker:
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         # Unknown keys fail the deploy (the replica does not start), naming the key.
         self._worker.update_policy(
-            worker_policy(self._settings, WorkerConfig.model_validate(user_config or {}))
+            worker_policy(self._settings, **WorkerConfig.model_validate(user_config or {}).model_dump())
         )
 
     async def _report(self) -> None:
         while not self._stop.is_set():
             try:
                 self._metrics.observe_queue(
-                    await self._stores.transactions.depth(),
+                    await self._stores.redis.transactions.depth(),
                     self._worker.in_flight,
-                    await self._stores.transactions.count_by_state(),
+                    await self._stores.redis.transactions.count_by_state(),
                 )
                 last_pass = await self._reconciler.state.last_completed()
                 if last_pass is not None:
@@ -138,9 +119,9 @@ class TransactionWorker:
         if not retention.archive_after_s:
             return  # results stay in Redis until they expire
         archiver = ResultArchiver(
-            self._stores.transactions,
-            result_archive(self._settings),
-            RedisLease(self._stores.transactions.redis, "result-archive", self._settings.redis.key_prefix),
+            self._stores.redis.transactions,
+            self._stores.archive,
+            RedisLease(self._stores.redis.redis, "result-archive", self._settings.redis.key_prefix),
             hot_window_s=retention.archive_after_s,
             every_s=retention.result_archive_every_s,
         )
@@ -159,8 +140,7 @@ class TransactionWorker:
         loop_task = self._tasks[0]
         if loop_task.done():
             raise RuntimeError(f"worker loop stopped: {loop_task.exception()!r}")
-        if self._models is not None:
-            await self._models.check()
+        await self._analysis.check()
 
     async def __del__(self) -> None:
         """Serve's graceful shutdown of this replica (a scale-down, a redeploy): stop claiming, finish the
@@ -177,7 +157,7 @@ class TransactionWorker:
         """Serve's custom autoscaling metrics, read by QueueBacklogPolicy (deployments/autoscaling.py) when
         the deployment's autoscaling_config names it; the last known backlog while Redis is away."""
         try:
-            self._backlog = float(await self._stores.transactions.depth())
+            self._backlog = float(await self._stores.redis.transactions.depth())
         except BackendUnavailable as error:
             logger.debug("backlog for autoscaling not read: %s", error.message)
         return {BACKLOG_METRIC: self._backlog}

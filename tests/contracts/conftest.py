@@ -1,6 +1,6 @@
 """Contract tests: each store interface of serve_app/stores/interfaces.py, run against the unit tests' fake
 (tests/unit/fakes/) and against the real store on real servers (redis-server and milvus-lite started by
-serve_app.embedded, bound to 127.0.0.1; the file blob store in a temporary directory).
+serve_app.launch.embedded, bound to 127.0.0.1; the file blob store in a temporary directory).
 
 A test here asserts what the interface's docstrings promise, so a fake that drifts from the real store
 fails the same test the real store passes. Each parametrised fixture below gives an `Opener`: called
@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import pytest
 from redis.asyncio import Redis
 
-from serve_app.embedded import EmbeddedMilvus, EmbeddedRedis
+from serve_app.launch.embedded import EmbeddedMilvus, EmbeddedRedis
 from serve_app.stores.blobs import LocalBlobStore
 from serve_app.stores.interfaces import (
     AuditLog,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from serve_app.embedded import EmbeddedMilvus
+from serve_app.launch.embedded import EmbeddedMilvus
 from tests import netns
 from tests.milvus_server import MilvusServerProcess
 from tests.service_harness import RunningService, running_service

@@ -5,13 +5,14 @@
 Namespace A (10.250.0.1) holds the Ray head, Redis and the Milvus server (the `milvus` wheel's, listening
 on A's veth address so node B reaches it), and this script, the HTTP client of the head's Serve port.
 Namespace B (10.250.0.2) holds a Ray worker node with the custom resource `models`; the Serve config pins
-FaceAnalysisModel to it and the ingress and worker to the head. Ray's token authentication is on.
+the replica that runs the models (the TransactionWorker, which owns them in the default topology) to it and
+the ingress to the head. Ray's token authentication is on.
 
 1. Enrol four people; run a list of face searches and age estimations undisturbed: the reference results.
 2. Run the same list again and, a third of the way in, kill every process of namespace B (`ip netns pids`,
    never `ray stop`); restart node B with the same `ray start` after a pause.
 3. Every request answered with a reference_id must reach a final state with the reference results, and
-   the model replica must be running on node B again.
+   the worker replica (with its models) must be running on node B again.
 
 Prints one JSON line `{"accepted": .., "completed": .., "lost": .., ...}` and exits non-zero on failure.
 Processes are not stopped here: the test removes both namespaces with everything in them.
@@ -39,8 +40,8 @@ import httpx
 import yaml
 
 from models.weights import default_models_dir
-from serve_app.deploy_config import parse_serve_config
-from serve_app.embedded import EmbeddedRedis
+from serve_app.launch.deploy_config import parse_serve_config
+from serve_app.launch.embedded import EmbeddedRedis
 from tests.faces_dev import load_faces_dev
 from tests.integration.api_client import age_estimation, auth, face_search_json
 from tests.milvus_server import MilvusServerProcess
@@ -51,7 +52,8 @@ HEAD_IP, NODE_IP = "10.250.0.1", "10.250.0.2"
 RAY_PORT, REDIS_PORT, MILVUS_PORT, HTTP_PORT, DASHBOARD_PORT = 6379, 6390, 19530, 8000, 8265
 BASE_URL = f"http://127.0.0.1:{HTTP_PORT}"
 DASHBOARD = f"http://127.0.0.1:{DASHBOARD_PORT}"
-STALE_AFTER_S = 8  # a transaction whose model call died is retried after this (30 s by default)
+STALE_AFTER_S = 8  # a transaction whose worker died is reclaimed and retried after this (30 s by default)
+MODEL_DEPLOYMENT = "TransactionWorker"  # the worker owns the models (config/serve.yaml)
 KILL_AFTER = 1 / 3  # of the burst's requests sent
 NODE_DOWN_S = 8.0  # long enough for Ray to notice; the replacement replica waits for the node
 
@@ -114,8 +116,9 @@ def kill_namespace(namespace: str) -> int:
 
 
 def serve_config(work: Path, env_vars: dict[str, str]) -> Path:
-    """config/serve.yaml (the fused CPU topology) with the model deployment pinned to node B's custom
-    resource and the ingress and worker to the head's."""
+    """config/serve.yaml (the one-machine CPU topology) with the worker, which owns the models, pinned to
+    node B's custom resource and the ingress to the head's. Serve's proxy on the head takes the requests
+    (direct ingress is a one-machine setting)."""
     document: dict[str, Any] = yaml.safe_load((ROOT / "config/serve.yaml").read_text())
     document["proxy_location"] = "HeadOnly"
     document["http_options"] = {"host": "127.0.0.1", "port": HTTP_PORT}
@@ -123,7 +126,7 @@ def serve_config(work: Path, env_vars: dict[str, str]) -> Path:
     app["runtime_env"] = {"env_vars": env_vars}
     app["args"]["model_config"] = {"intra_op_threads": 1}
     for deployment in app["deployments"]:
-        if deployment["name"] == "FaceAnalysisModel":
+        if deployment["name"] == MODEL_DEPLOYMENT:
             deployment.pop("autoscaling_config", None)
             deployment["num_replicas"] = 1
             deployment["ray_actor_options"] = {"num_cpus": 1, "resources": {"models": 1}}
@@ -144,13 +147,13 @@ def poll(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
 
 
 def model_replicas(token: str) -> list[dict[str, Any]]:
-    """FaceAnalysisModel's replicas as the dashboard's Serve API reports them (token required)."""
+    """The replicas running the models as the dashboard's Serve API reports them (token required)."""
     response = httpx.get(f"{DASHBOARD}/api/serve/applications/", headers=auth(token), timeout=10)
     response.raise_for_status()
     app = response.json().get("applications", {}).get("facesearch")
     if not app:
         return []
-    replicas: list[dict[str, Any]] = app["deployments"]["FaceAnalysisModel"].get("replicas", [])
+    replicas: list[dict[str, Any]] = app["deployments"][MODEL_DEPLOYMENT].get("replicas", [])
     return replicas
 
 
@@ -252,15 +255,15 @@ def scenario(work: Path, namespace_b: str, token: str) -> int:
     )  # fmt: skip
     if deploy.returncode != 0:
         raise RuntimeError(f"serve deploy failed: {deploy.stdout}{deploy.stderr}")
-    poll(lambda: healthy() and running_on_b(token), 240, "application running with its model on node B")
-    log(f"deployed with `serve deploy`, model replica on node B ({time.monotonic() - started:.1f} s)")
+    poll(lambda: healthy() and running_on_b(token), 240, "application running with its worker on node B")
+    log(f"deployed with `serve deploy`, worker (models) on node B ({time.monotonic() - started:.1f} s)")
 
     # Token auth is on across the nodes: the dashboard refuses a caller without the token.
     assert httpx.get(f"{DASHBOARD}/api/serve/applications/", timeout=10).status_code == 401
 
     os.environ.update(app_env)
     from serve_app.settings import Settings
-    from serve_app.wiring import redis_stores
+    from serve_app.wiring.stores import redis_stores
 
     settings = Settings.from_env()
 
@@ -346,7 +349,7 @@ def scenario(work: Path, namespace_b: str, token: str) -> int:
                 lost += 1
                 outcomes.append(None)
         restarted.wait(60)
-        poll(lambda: running_on_b(token), 120, "model replica on node B after the restart")
+        poll(lambda: running_on_b(token), 120, "worker replica on node B after the restart")
         expected = [result for result, ref in zip(baseline, burst_refs, strict=True) if ref]
         same = sum(1 for got, want in zip(outcomes, expected, strict=True) if got == want)
         summary = {

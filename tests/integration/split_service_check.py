@@ -1,10 +1,10 @@
 """The split (GPU) topology end to end, run as its own process: one Ray per process, and the test session
-already holds one for the fused service (tests/integration/conftest.py).
+already holds one for the default service (tests/integration/conftest.py).
 
     python -m tests.integration.split_service_check [split|in_process]
 
 Enrols the first photo of four identities, searches with a second photo of each (its own reference must
-rank first), and asks for an age with wait_for_result=1 (check_search_and_age, which the fused service
+rank first), and asks for an age with wait_for_result=1 (check_search_and_age, which the default service
 passes too). Exits non-zero on any failure.
 """
 
@@ -23,8 +23,8 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import httpx
 
-from serve_app.deploy_config import load_serve_config
 from serve_app.deployments.autoscaling import BACKLOG_METRIC
+from serve_app.launch.deploy_config import load_serve_config
 from tests.faces_dev import load_faces_dev
 from tests.integration.api_client import age_estimation, auth, face_search_json
 from tests.service_harness import RunningService, running_service
@@ -114,10 +114,10 @@ def _poll(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
 
 
 BURST = 300
-# The CPU topology without the worker->model hop, as shipped (the worker owns the models and is autoscaled
-# on the queue's backlog), with the autoscaler's clock sped up and a low target so the scaling check takes
-# seconds: one replica per 4 queued, one transaction at a time per replica.
-IN_PROCESS_CONFIG = load_serve_config(ROOT / "config/serve-in-process.yaml")
+# The default CPU topology as shipped (the worker owns the models and is autoscaled on the queue's backlog),
+# with the autoscaler's clock sped up and a low target so the scaling check takes seconds: one replica per 4
+# queued, one transaction at a time per replica.
+IN_PROCESS_CONFIG = load_serve_config(ROOT / "config/serve.yaml")
 IN_PROCESS_ARGS: dict[str, Any] = IN_PROCESS_CONFIG.args.model_dump(by_alias=True)
 _WORKER = IN_PROCESS_ARGS["deployment_options"]["TransactionWorker"]
 _WORKER["autoscaling_config"] |= {
@@ -130,7 +130,7 @@ _WORKER["autoscaling_config"]["policy"]["policy_kwargs"] = {"target_backlog_per_
 _WORKER["user_config"] = {"concurrency": 1}
 _WORKER["ray_actor_options"] = {"num_cpus": 0.5}  # room for the second replica on a 2-CPU box
 TOPOLOGIES = {"split": SPLIT_ARGS, "in_process": IN_PROCESS_ARGS}
-# As shipped: the in_process config has clients call the ingress replica's own HTTP server.
+# As shipped: the default config has clients call the ingress replica's own HTTP server.
 DIRECT_INGRESS = {"split": False, "in_process": IN_PROCESS_CONFIG.direct_ingress}
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from facesearch_client import FaceSearchClient
-from serve_app.cli import main
+from serve_app.launch.cli import main
 from tests.faces_dev import FacesDev
 from tests.service_harness import Client, RunningService
 

@@ -22,7 +22,7 @@ from redis.asyncio import Redis
 
 from models.types import AnalyzedFace
 from serve_app.domain.transactions import Transaction, TransactionState
-from serve_app.embedded import EmbeddedRedis
+from serve_app.launch.embedded import EmbeddedRedis
 from serve_app.pipelines.analysis import FaceAnalysisBackend
 from serve_app.pipelines.commands import FaceSearchCommand
 from serve_app.pipelines.processing import TransactionProcessor

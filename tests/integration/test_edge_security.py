@@ -22,10 +22,11 @@ from redis import exceptions as redis_exceptions
 from serve_app.api.app import create_app
 from serve_app.domain.errors import BackendUnavailable
 from serve_app.domain.outcomes import FaceSearchOutcome
-from serve_app.embedded import EmbeddedRedis, EmbeddedServices
+from serve_app.launch.embedded import EmbeddedRedis, EmbeddedServices
 from serve_app.settings import AuthSettings, HttpSettings, MilvusSettings, RedisSettings, Settings
 from serve_app.stores.redis_support import connect_redis
-from serve_app.wiring import build_api_services, redis_stores
+from serve_app.wiring.api import build_api_services
+from serve_app.wiring.stores import redis_stores
 from tests.backend_text import assert_no_backend_text
 from tests.unit.fakes import solid_png
 

@@ -23,7 +23,7 @@ from redis.asyncio import Redis
 from serve_app.domain.faces import GalleryEntry
 from serve_app.domain.outcomes import Outcome
 from serve_app.domain.transactions import Transaction, TransactionState
-from serve_app.embedded import EmbeddedServices
+from serve_app.launch.embedded import EmbeddedServices
 from serve_app.pipelines.commands import FaceSearchCommand
 from serve_app.pipelines.processing import TransactionProcessor, enrolled_face_id
 from serve_app.pipelines.transactions import TransactionService

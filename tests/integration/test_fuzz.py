@@ -238,7 +238,7 @@ def target(service: RunningService) -> Iterator[FuzzTarget]:
         tenant_id=client.client_id,
     )
     from serve_app.pipelines.auth import unauthenticated_key
-    from serve_app.wiring import redis_stores
+    from serve_app.wiring.stores import redis_stores
 
     async def forget_failed_logins() -> None:
         await redis_stores(settings_).limiter.reset(unauthenticated_key(source))

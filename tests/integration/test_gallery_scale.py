@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from serve_app.domain.faces import GalleryEntry
-from serve_app.embedded import EmbeddedRedis
+from serve_app.launch.embedded import EmbeddedRedis
 from serve_app.stores.milvus_gallery import IndexPolicy, MilvusGalleryStore
 from serve_app.stores.redis_lease import RedisLeases
 from serve_app.stores.redis_support import connect_redis

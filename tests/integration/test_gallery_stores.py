@@ -12,7 +12,7 @@ import pytest
 from serve_app.domain.faces import FaceRecord
 from serve_app.domain.gallery import AuditAction, AuditEntry
 from serve_app.domain.transactions import new_reference_id
-from serve_app.embedded import EmbeddedServices
+from serve_app.launch.embedded import EmbeddedServices
 from serve_app.stores.redis_audit import RedisAuditLog
 from serve_app.stores.redis_records import RedisFaceRecordStore
 from serve_app.stores.redis_support import connect_redis

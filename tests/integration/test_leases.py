@@ -18,7 +18,7 @@ import pytest
 
 from models.types import AnalyzedFace
 from serve_app.domain.transactions import Transaction, TransactionState
-from serve_app.embedded import EmbeddedRedis
+from serve_app.launch.embedded import EmbeddedRedis
 from serve_app.pipelines.analysis import DeadlineAnalysis
 from serve_app.pipelines.commands import FaceSearchCommand
 from serve_app.pipelines.processing import TransactionProcessor

@@ -1,7 +1,8 @@
 """A two-node Ray cluster in two network namespaces (one veth pair, nothing else): the application deployed
-with `serve deploy`, its model replica pinned to the worker node, Ray token authentication on. The worker
-node is killed in the middle of a burst of face searches and age estimations and started again: nothing
-accepted is lost, every answer equals the undisturbed run's, and the model replica comes back.
+with `serve deploy`, the replica that runs the models (the transaction worker) pinned to the worker node,
+Ray token authentication on. The worker node is killed in the middle of a burst of face searches and age
+estimations and started again: nothing accepted is lost, every answer equals the undisturbed run's, and the
+worker replica comes back on that node.
 
 The scenario runs in its own process inside namespace A (tests/integration/multinode_check.py); this test
 makes the namespaces and removes them, and every process in them, whatever happens."""

@@ -1,6 +1,7 @@
 """Reconciliation interleaved with everything else that writes the gallery, on a real redis-server and
-milvus-lite (serve_app.embedded, 127.0.0.1): enrolment, enrolment with override, deletion of a face, erasure
-of a reference, re-indexing, and a worker killed between its two writes (record written, vector not).
+milvus-lite (serve_app.launch.embedded, 127.0.0.1): enrolment, enrolment with override, deletion of a
+face, erasure of a reference, re-indexing, and a worker killed between its two writes (record written,
+vector not).
 
 Interleavings are forced at store boundaries: a gallery wrapper runs a step just before a chosen call, so
 "reconcile between the record write and the vector write of an enrolment" is exactly that, every time.
@@ -46,7 +47,7 @@ from models.types import AnalyzedFace, DetectedFace
 from serve_app.domain.faces import GalleryEntry, GalleryMatch
 from serve_app.domain.identifiers import new_client_id
 from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState, new_reference_id
-from serve_app.embedded import EmbeddedServices
+from serve_app.launch.embedded import EmbeddedServices
 from serve_app.pipelines.gallery import GalleryService
 from serve_app.pipelines.processing import ProcessingPolicy, TransactionProcessor, enrolled_face_id
 from serve_app.pipelines.reconcile import ReconcilePolicy, Reconciler, ReconcileReport

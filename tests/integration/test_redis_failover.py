@@ -22,7 +22,7 @@ import pytest
 
 from serve_app.domain.errors import BackendUnavailable
 from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState, new_reference_id
-from serve_app.embedded import EmbeddedRedis, free_port
+from serve_app.launch.embedded import EmbeddedRedis, free_port
 from serve_app.stores.redis_support import connect_redis, parse_sentinel_url
 from serve_app.stores.redis_transactions import RedisTransactionStore
 

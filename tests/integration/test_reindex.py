@@ -18,10 +18,10 @@ import pytest
 from models.analyzer import ModelConfig, largest_face, load_face_analyzer
 from models.embedder import FUSED_DIM, MODEL_VERSION
 from models.types import AnalyzedFace
-from serve_app.cli import main as cli_main
 from serve_app.domain.faces import FaceRecord
-from serve_app.embedded import EmbeddedServices
 from serve_app.imaging.decode import decode_image
+from serve_app.launch.cli import main as cli_main
+from serve_app.launch.embedded import EmbeddedServices
 from serve_app.pipelines.analysis import LocalAnalysis
 from serve_app.pipelines.reindex import ImageLimits, ReindexState, reindex_tenant
 from serve_app.settings import Settings

@@ -25,7 +25,7 @@ from PIL import Image
 
 from models.types import AnalyzedFace, DetectedFace
 from serve_app.domain.faces import FaceRecord
-from serve_app.embedded import EmbeddedServices
+from serve_app.launch.embedded import EmbeddedServices
 from serve_app.pipelines.gallery import GalleryService
 from serve_app.pipelines.reindex import ImageLimits, ReindexState, reindex_tenant
 from serve_app.stores.blobs import LocalBlobStore

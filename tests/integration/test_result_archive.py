@@ -1,5 +1,5 @@
 """Compact finished transactions, the result archive and erasure tombstones against a real redis-server
-(serve_app.embedded, 127.0.0.1) and a real blob directory. Nothing is mocked; where the order of two
+(serve_app.launch.embedded, 127.0.0.1) and a real blob directory. Nothing is mocked; where the order of two
 processes' steps matters, a blob store that pauses inside its write lets the test read in between.
 """
 
@@ -25,7 +25,7 @@ from serve_app.domain.transactions import (
     new_reference_id,
     upload_key,
 )
-from serve_app.embedded import EmbeddedRedis
+from serve_app.launch.embedded import EmbeddedRedis
 from serve_app.pipelines.result_archive import ArchiveReport, ResultArchiver, archive_finished
 from serve_app.pipelines.transactions import TransactionService
 from serve_app.stores.blobs import LocalBlobStore

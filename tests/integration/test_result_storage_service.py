@@ -21,7 +21,7 @@ from serve_app.domain.transactions import Transaction, TransactionKind, Transact
 from serve_app.stores.blobs import LocalBlobStore
 from serve_app.stores.redis_support import connect_redis
 from serve_app.stores.result_archive import archive_key
-from serve_app.wiring import redis_stores
+from serve_app.wiring.stores import redis_stores
 from tests.faces_dev import FacesDev
 from tests.integration.api_client import (
     age_estimation,

@@ -1,5 +1,6 @@
-"""Retention against the real stores: redis-server and milvus-lite (serve_app.embedded) and a blob
-directory, wired by serve_app.wiring exactly as the deployments wire them; only the models are scripted.
+"""Retention against the real stores: redis-server and milvus-lite (serve_app.launch.embedded) and a blob
+directory, wired by serve_app.wiring.worker exactly as the deployments wire them; only the models are
+scripted.
 
 Round after round of transactions (overrides of the same few references, searches and age estimations
 that do not enrol, an orphaned upload each round) must leave Redis and the blob directory the same size
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from serve_app.domain.transactions import TransactionState
-from serve_app.embedded import EmbeddedServices
+from serve_app.launch.embedded import EmbeddedServices
 from serve_app.pipelines.commands import AgeEstimationCommand, FaceSearchCommand
 from serve_app.pipelines.transactions import TransactionService
 from serve_app.settings import (
@@ -27,8 +28,7 @@ from serve_app.settings import (
     RetentionSettings,
     Settings,
 )
-from serve_app.stores.blobs import LocalBlobStore
-from serve_app.wiring import build_reconciler, build_worker, gallery_store, redis_stores
+from serve_app.wiring.worker import WorkerStores, build_reconciler, build_worker
 from tests.unit.fakes import Color, ScriptedAnalysis, embedding, face, solid_png
 
 TENANT = "tenant-retention"
@@ -72,13 +72,14 @@ def test_redis_keys_and_blob_files_stay_bounded_over_many_transactions(
         analysis.faces_by_color[color] = [face(embedding(index), age=30)]
 
     async def scenario() -> list[tuple[int, int]]:
-        stores = redis_stores(settings)
-        redis = stores.transactions._redis
-        blobs = LocalBlobStore(settings.blobs)
-        gallery = gallery_store(settings)
-        reconciler = build_reconciler(settings, "retention-test", gallery)
+        worker_stores = WorkerStores.build(settings)
+        stores = worker_stores.redis
+        redis = stores.redis
+        blobs = worker_stores.blobs
+        gallery = worker_stores.gallery
+        reconciler = build_reconciler(settings, "retention-test", worker_stores)
         service = TransactionService(stores.transactions, blobs, settings.limits.max_image_pixels)
-        worker, _ = build_worker(settings, analysis, "retention-worker")
+        worker, _ = build_worker(settings, analysis, "retention-worker", stores=worker_stores)
         stop = asyncio.Event()
         running = asyncio.create_task(worker.run(stop))
 

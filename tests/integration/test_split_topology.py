@@ -1,6 +1,6 @@
 """Every topology passes the same end-to-end check (split_service_check.check_search_and_age): split
-(config/serve-gpu.yaml's layout, on CPU) and in_process (the worker owns the models) each in its own process,
-fused on the session's service."""
+(config/serve-gpu.yaml's layout, on CPU) and in_process with a fast autoscaler (the worker owns the models and
+scales on the queue's backlog) each in its own process, and the session's service (config/serve.yaml)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from tests.service_harness import RunningService
 @pytest.mark.service
 @pytest.mark.parametrize("topology", ["split", "in_process"])
 def test_topology_in_its_own_process_searches_and_estimates_ages(topology: str) -> None:
-    # Its own process: Ray runs once per process and the session's fused service already holds it here.
+    # Its own process: Ray runs once per process and the session's service already holds it here.
     finished = subprocess.run(
         [sys.executable, "-m", "tests.integration.split_service_check", topology],
         cwd=REPO_ROOT,
@@ -31,5 +31,5 @@ def test_topology_in_its_own_process_searches_and_estimates_ages(topology: str) 
 
 
 @pytest.mark.service
-def test_fused_topology_passes_the_same_check(service: RunningService) -> None:
-    check_search_and_age(service, "fused-check")
+def test_the_default_service_passes_the_same_check(service: RunningService) -> None:
+    check_search_and_age(service, "default-check")

@@ -1,5 +1,5 @@
-"""The stores against real servers: redis-server and milvus-lite started by serve_app.embedded in a temporary
-directory, bound to 127.0.0.1. Nothing here is mocked.
+"""The stores against real servers: redis-server and milvus-lite started by serve_app.launch.embedded in a
+temporary directory, bound to 127.0.0.1. Nothing here is mocked.
 
 Each test runs its coroutine with asyncio.run and makes its own clients, and uses its own key prefix or
 collection, so tests do not share state through the session-scoped servers.
@@ -24,7 +24,7 @@ from serve_app.domain.faces import FaceRecord, GalleryEntry
 from serve_app.domain.identifiers import new_client_id
 from serve_app.domain.outcomes import FaceMatch, FaceSearchOutcome
 from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState, new_reference_id
-from serve_app.embedded import EmbeddedMilvus, EmbeddedRedis, EmbeddedServices, free_port
+from serve_app.launch.embedded import EmbeddedMilvus, EmbeddedRedis, EmbeddedServices, free_port
 from serve_app.stores.blobs import LocalBlobStore
 from serve_app.stores.interfaces import (
     Admission,
@@ -156,7 +156,7 @@ def test_second_start_reuses_the_live_servers(servers: EmbeddedServices) -> None
 
 
 def test_missing_redis_binary_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from serve_app.embedded import EmbeddedServerError
+    from serve_app.launch.embedded import EmbeddedServerError
 
     monkeypatch.setattr(EmbeddedRedis, "binary", staticmethod(lambda: "/nonexistent/redis-server"))
     with pytest.raises(EmbeddedServerError, match="cannot run"):

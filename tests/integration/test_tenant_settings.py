@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serve_app.cli import _clients
+from serve_app.launch.cli import _clients
 from serve_app.pipelines.processing import ProcessingPolicy
 from tests.faces_dev import FacesDev
 from tests.integration.api_client import face_search_json, reference_of, wait_result

@@ -1,5 +1,5 @@
 """The workers' autoscaling policy: one replica per target backlog, never none (serve_app/deployments/
-autoscaling.py), and the shipped in-process config that names it."""
+autoscaling.py), and the default config that names it."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from serve_app.deploy_config import load_serve_config
 from serve_app.deployments.autoscaling import BACKLOG_METRIC, QueueBacklogPolicy
+from serve_app.launch.deploy_config import load_serve_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,8 +58,8 @@ def test_a_target_must_be_positive() -> None:
             QueueBacklogPolicy(target_backlog_per_replica=target)
 
 
-def test_the_in_process_config_names_the_policy_with_valid_arguments() -> None:
-    args, http, _ = load_serve_config(ROOT / "config/serve-in-process.yaml")
+def test_the_default_config_names_the_policy_with_valid_arguments() -> None:
+    args, http, _ = load_serve_config(ROOT / "config/serve.yaml")
     assert args.topology == "in_process" and http["host"] == "127.0.0.1"
     worker: dict[str, Any] = args.deployment_options["TransactionWorker"]
     policy = worker["autoscaling_config"]["policy"]

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from facesearch_client import AsyncFaceSearchClient, bulk
-from serve_app.cli import main
+from serve_app.launch.cli import main
 
 
 def envelope(data: dict[str, Any]) -> dict[str, Any]:

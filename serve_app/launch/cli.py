@@ -32,7 +32,6 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from serve_app.deploy_config import direct_ingress_env, load_serve_config
 from serve_app.settings import MaxMatches, MinScore, Settings
 
 logger = logging.getLogger("facesearch")
@@ -51,8 +50,9 @@ def start(config: Path, host: str, port: int | None, metrics_port: int) -> int:
     import ray
     from ray import serve
 
-    from serve_app.embedded import free_port, start_embedded_backends
-    from serve_app.graph import bind_app
+    from serve_app.launch.deploy_config import direct_ingress_env, load_serve_config
+    from serve_app.launch.embedded import free_port, start_embedded_backends
+    from serve_app.launch.topology import bind_app
 
     # Validate the config before anything starts: a typo in it stops here, naming the key.
     serve_config = load_serve_config(config)
@@ -88,7 +88,7 @@ def start(config: Path, host: str, port: int | None, metrics_port: int) -> int:
 def backends(settings: Settings) -> int:
     """Keep the embedded servers of FACESEARCH_DATA_DIR running (started here unless already live) and print
     their addresses as shell assignments, so `serve run config/serve.yaml` can use them."""
-    from serve_app.embedded import start_embedded_backends
+    from serve_app.launch.embedded import start_embedded_backends
 
     started = start_embedded_backends(settings)
     print(f"export REDIS_URL={shlex.quote(str(started.redis.url))}", flush=True)
@@ -135,7 +135,7 @@ async def _clients(
     min_score: str | None = None,
     max_matches: str | None = None,
 ) -> int:
-    from serve_app.wiring import redis_stores
+    from serve_app.wiring.stores import redis_stores
 
     clients = redis_stores(settings).clients
     if action == "create":
@@ -165,7 +165,7 @@ async def _clients(
 
 
 async def _reconcile(settings: Settings) -> int:
-    from serve_app.wiring import build_reconciler
+    from serve_app.wiring.worker import build_reconciler
 
     reconciler = build_reconciler(settings, f"cli-{socket.gethostname()}-{os.getpid()}")
     report = await reconciler.run_pass()
@@ -247,10 +247,10 @@ async def _reindex(settings: Settings, tenant_id: str, state_path: Path | None) 
     from serve_app.pipelines.analysis import LocalAnalysis
     from serve_app.pipelines.reindex import ImageLimits, ReindexState, reindex_tenant
     from serve_app.stores.blobs import LocalBlobStore
-    from serve_app.wiring import gallery_store, redis_stores
+    from serve_app.wiring.stores import gallery_store, redis_stores
 
     stores = redis_stores(settings)
-    gallery = gallery_store(settings)
+    gallery = gallery_store(settings, stores.redis)
     state = ReindexState.load(
         state_path or settings.data_dir / "reindex" / f"{tenant_id}-{MODEL_VERSION}.json"
     )
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         return start(options.config, options.host, options.port, options.metrics_port)
     if options.command == "backends":
         return backends(Settings.from_env())
-    from serve_app.embedded import start_embedded_backends
+    from serve_app.launch.embedded import start_embedded_backends
 
     settings = start_embedded_backends(Settings.from_env())
     if options.command == "clients":

@@ -1,19 +1,16 @@
-"""The ingress' object graph (stores and API services) from Settings. Kept apart from serve_app.wiring, which
-builds the worker's processor and with it the model-side imports: the ingress must not load model libraries
+"""The stores of one process from Settings, each built once: one Redis connection pool serves every Redis
+store of the process (and the index switch's leases), and one Milvus client the gallery. Used by the ingress
+(serve_app.wiring.api), the worker (serve_app.wiring.worker), the CLI and the tests, so each gets the same
+stores configured the same way. No model library is imported here: the ingress must not load one
 (tests/unit/test_ingress_imports.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from redis.asyncio import Redis
+
 from models.types import FUSED_DIM, MODEL_VERSION
-from serve_app.api.app import ApiServices
-from serve_app.api.limits import parse_networks
-from serve_app.api.tokens import TokenSigner
-from serve_app.pipelines.auth import ClientAuthenticator
-from serve_app.pipelines.gallery import GalleryService
-from serve_app.pipelines.proofs import ProofService
-from serve_app.pipelines.transactions import TransactionService
 from serve_app.settings import Settings, wait_replicas
 from serve_app.stores.blobs import LocalBlobStore
 from serve_app.stores.milvus_gallery import IndexPolicy, MilvusGalleryStore
@@ -30,6 +27,9 @@ from serve_app.stores.result_archive import BlobResultArchive
 
 @dataclass(frozen=True)
 class RedisStores:
+    """The Redis stores of one process, all on one connection pool (`redis`)."""
+
+    redis: Redis
     transactions: RedisTransactionStore
     records: RedisFaceRecordStore
     clients: RedisClientStore
@@ -46,11 +46,18 @@ def require(value: str | None, name: str) -> str:
     return value
 
 
-def redis_stores(settings: Settings) -> RedisStores:
-    redis = connect_redis(require(settings.redis.url, "REDIS_URL"), max_connections=settings.redis.pool_size)
+def connect(settings: Settings) -> Redis:
+    """The process' Redis connection pool."""
+    return connect_redis(require(settings.redis.url, "REDIS_URL"), max_connections=settings.redis.pool_size)
+
+
+def redis_stores(settings: Settings, redis: Redis | None = None) -> RedisStores:
+    """The Redis stores on `redis` (default: a new pool; a process builds them once and passes them on)."""
+    redis = redis if redis is not None else connect(settings)
     prefix = settings.redis.key_prefix
     retention = settings.retention
     return RedisStores(
+        redis=redis,
         transactions=RedisTransactionStore(
             redis,
             prefix=prefix,
@@ -68,7 +75,9 @@ def redis_stores(settings: Settings) -> RedisStores:
     )
 
 
-def gallery_store(settings: Settings) -> MilvusGalleryStore:
+def gallery_store(settings: Settings, redis: Redis | None = None) -> MilvusGalleryStore:
+    """The gallery (its Milvus client connects lazily, on first use). redis: the process' pool, for the
+    index switch's lease (taken once per switch, rarely); default: a small client of its own."""
     milvus = settings.milvus
     return MilvusGalleryStore(
         require(milvus.uri, "MILVUS_URI"),
@@ -83,9 +92,10 @@ def gallery_store(settings: Settings) -> MilvusGalleryStore:
             search_params=dict(milvus.search_params),
         ),
         consistency_level=milvus.consistency_level,
-        # Its own small client: the lease is taken once per index switch, rarely.
         switch_leases=RedisLeases(
-            connect_redis(require(settings.redis.url, "REDIS_URL"), max_connections=2),
+            redis
+            if redis is not None
+            else connect_redis(require(settings.redis.url, "REDIS_URL"), max_connections=2),
             prefix=settings.redis.key_prefix,
         ),
         switch_timeout_s=milvus.index_switch_timeout_s,
@@ -95,49 +105,3 @@ def gallery_store(settings: Settings) -> MilvusGalleryStore:
 def result_archive(settings: Settings) -> BlobResultArchive:
     """Always there to read: results archived earlier stay readable if the hot window is later turned off."""
     return BlobResultArchive(LocalBlobStore(settings.results), settings.retention.transaction_retention_s)
-
-
-def build_api_services(settings: Settings) -> ApiServices:
-    stores = redis_stores(settings)
-    blobs = LocalBlobStore(settings.blobs)
-    return ApiServices(
-        transactions=TransactionService(
-            stores.transactions,
-            blobs,
-            settings.limits.max_image_pixels,
-            records=stores.records,
-            archive=result_archive(settings),
-        ),
-        proofs=ProofService(stores.records, blobs),
-        auth=ClientAuthenticator(
-            stores.clients,
-            stores.limiter,
-            stores.admission,
-            login_failures_per_window=settings.auth.login_failures_per_window,
-            login_window_s=settings.auth.login_window_s,
-            requests_per_minute=settings.limits.requests_per_minute,
-            login_backoff_max_s=settings.auth.login_backoff_max_s,
-            unauthenticated_per_minute=settings.limits.unauthenticated_per_minute,
-        ),
-        signer=TokenSigner(
-            settings.auth.secret_key,
-            settings.auth.access_token_ttl_s,
-            settings.auth.proof_ttl_s,
-            verified_cache_size=settings.auth.verified_token_cache,
-        ),
-        max_upload_bytes=settings.limits.max_upload_bytes,
-        wait_for_result_timeout_s=settings.limits.wait_for_result_timeout_s,
-        public_base_url=settings.http.public_base_url,
-        trusted_proxies=parse_networks(settings.http.trusted_proxies),
-        # Gallery management needs Milvus (removals); an API built on Redis alone (the edge tests) has none.
-        gallery=GalleryService(
-            stores.records,
-            gallery_store(settings),  # connects to Milvus lazily, on the first gallery removal
-            blobs,
-            stores.audit,
-            subject_key=settings.auth.secret_key.encode(),
-            model_version=MODEL_VERSION,
-        )
-        if settings.milvus.uri
-        else None,
-    )

@@ -1,0 +1,54 @@
+"""The deployments' `user_config` shapes: what a Serve config may set on running replicas. Pydantic models
+that reject unknown keys, so a typo fails the deploy with a message naming the key. No Ray here: the
+launcher (serve_app.launch.deploy_config) checks a config file with them before it starts anything.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BatchConfig(Strict):
+    """A model deployment's user_config: batching, changeable on running replicas."""
+
+    max_batch_size: int = Field(16, ge=1)
+    batch_wait_timeout_s: float = Field(0.005, ge=0)
+    # Chips per ONNX run: a batch of requests is cut into runs of this many faces.
+    max_faces_per_run: int = Field(64, ge=1)
+
+
+class WorkerConfig(Strict):
+    """The transaction worker's user_config; unset fields keep Settings.worker's values."""
+
+    concurrency: int | None = Field(None, ge=1)
+    stale_after_s: float | None = Field(None, gt=0)
+    max_deliveries: int | None = Field(None, ge=1)
+
+
+class NoUserConfig(Strict):
+    """Deployments that take no user_config (any key is a mistake)."""
+
+
+# Deployment name -> the model of its user_config. The names are those of the deployments in
+# serve_app/deployments (a unit test checks that they agree).
+USER_CONFIGS: dict[str, type[BaseModel]] = {
+    "ApiIngress": NoUserConfig,
+    "TransactionWorker": WorkerConfig,
+    "FaceDetectorModel": BatchConfig,
+    "FaceEmbedderModel": BatchConfig,
+    "AgeModel": BatchConfig,
+}
+
+
+def validate_user_config(deployment: str, user_config: dict[str, Any] | None) -> None:
+    """Raise ValueError naming the deployment and the offending key when a user_config does not fit."""
+    try:
+        USER_CONFIGS[deployment].model_validate(user_config or {})
+    except ValidationError as error:
+        raise ValueError(f"{deployment}.user_config: {error}") from None
