@@ -28,7 +28,6 @@ from facesearch_client.models import (
     parse_gallery_page,
     parse_result,
 )
-from serve_app.domain.gallery import MAX_PAGE_SIZE  # the service's own rule (no I/O, no framework)
 
 
 class AsyncFaceSearchClient:
@@ -172,7 +171,7 @@ class AsyncFaceSearchClient:
         return parse_gallery_page(await self._data(calls.list_faces(client_reference, limit, cursor)))
 
     async def iter_faces(
-        self, client_reference: str | None = None, page_size: int = MAX_PAGE_SIZE
+        self, client_reference: str | None = None, page_size: int = calls.MAX_PAGE_SIZE
     ) -> AsyncIterator[GalleryFace]:
         cursor: str | None = None
         while True:

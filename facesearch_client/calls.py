@@ -13,6 +13,10 @@ import httpx
 
 from facesearch_client.errors import ApiError, AuthenticationError, RetriesExhausted
 
+# The service's largest gallery page (its OpenAPI document's `limit` maximum; the client stays installable
+# without the server, and tests/unit/test_client_contract.py holds the two equal).
+MAX_PAGE_SIZE = 200
+
 Image = bytes | str | os.PathLike[str]
 
 

@@ -27,7 +27,6 @@ from facesearch_client.models import (
     parse_gallery_page,
     parse_result,
 )
-from serve_app.domain.gallery import MAX_PAGE_SIZE  # the service's own rule (no I/O, no framework)
 
 
 class FaceSearchClient:
@@ -167,7 +166,7 @@ class FaceSearchClient:
         return parse_gallery_page(self._data(calls.list_faces(client_reference, limit, cursor)))
 
     def iter_faces(
-        self, client_reference: str | None = None, page_size: int = MAX_PAGE_SIZE
+        self, client_reference: str | None = None, page_size: int = calls.MAX_PAGE_SIZE
     ) -> Iterator[GalleryFace]:
         cursor: str | None = None
         while True:
