@@ -269,11 +269,13 @@ class MilvusGalleryStore:
         )
         index = client.describe_index(self._collection, "embedding", timeout=timeout) or {}
         self._index_type = str(index.get("index_type", ""))
-        self._rows_seen = self._count(client)
         if not self._index_type:
             # A switch of index interrupted between drop and create: build the one the size calls for.
-            self._build_index(client, self._wanted_index(client, self._rows_seen))
+            self._build_index(client, self._wanted_index(client, self._count(client)))
         client.load_collection(self._collection, timeout=timeout)
+        # Counted once loaded: a Milvus server answers no query on a released collection (one released to
+        # save memory, say an older model version's, which a store may open again).
+        self._rows_seen = self._count(client)
         # A FLAT collection already past the threshold switches through _switch_if_due (under the lease).
 
     def _create_collection(self, client: Any, name: str, *, partitioned: bool) -> None:
