@@ -516,13 +516,24 @@ class MilvusGalleryStore:
         ids = [milvus_string(_checked_id(face_id, "face_id")) for face_id in face_ids]
 
         def delete(client: Any) -> None:
+            from pymilvus.exceptions import MilvusException
+
             for name, loaded in self._version_collections(client):
                 for start in range(0, len(ids), _BATCH):
                     batch = ", ".join(ids[start : start + _BATCH])
                     # The tenant condition keeps a delete from ever touching another tenant's faces; a
                     # collection that is not loaded cannot evaluate it (module docstring).
                     condition = f"tenant_id == {tenant} and " if loaded else ""
-                    client.delete(name, filter=f"{condition}face_id in [{batch}]", timeout=self._timeout_s)
+                    try:
+                        client.delete(
+                            name, filter=f"{condition}face_id in [{batch}]", timeout=self._timeout_s
+                        )
+                    except MilvusException:
+                        # An older version's collection dropped since it was listed holds nothing to remove.
+                        if name == self._collection or client.has_collection(name, timeout=self._timeout_s):
+                            raise
+                        self._gallery_names.discard(name)
+                        break
 
         await self._run(delete)
 

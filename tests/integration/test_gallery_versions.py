@@ -306,3 +306,38 @@ def test_reconcile_removes_vectors_older_versions_kept_of_removed_faces(
             assert await r.records.get(TENANT, not_yet) is not None
 
     run(scenario)
+
+
+class DropsAnOlderVersionWhileListing(MilvusGalleryStore):
+    """An operator drops an older version's collection right after a removal listed it."""
+
+    dropped = ""
+
+    def _version_collections(self, client: Any) -> list[tuple[str, bool]]:
+        listed = super()._version_collections(client)
+        for name, _ in listed[:-1]:
+            client.drop_collection(name)
+            self.dropped = name
+        return listed
+
+
+def test_removal_survives_an_older_version_dropped_meanwhile(
+    gallery_backend: GalleryBackend, redis_url: str, tmp_path: Path
+) -> None:
+    async def scenario() -> None:
+        async with rig(gallery_backend, redis_url, tmp_path) as r:
+            face_id = await r.enrol_under_a(None)
+            assert await r.reindex() == 1
+            await r.old.close()
+            racing = DropsAnOlderVersionWhileListing(
+                r.uri, r.collection, model_version=VERSION_B, dimension=DIMENSION_B
+            )
+            try:
+                await r.service(racing, VERSION_B).delete_face(TENANT, "operator", face_id)
+                assert racing.dropped == r.old.collection
+                assert await racing.present(TENANT, [face_id], all_versions=True) == set()
+                assert await r.records.get(TENANT, face_id) is None
+            finally:
+                await racing.close()
+
+    run(scenario)
