@@ -3,7 +3,7 @@
     python -m bench.vector_search [--backend lite|server] [--sizes 1000000 10000000] [--queries 200]
                                   [--indexes HNSW IVF_SQ8 IVF_FLAT] [--nprobe 16 32 64] [--ef 64 128]
                                   [--small-share 0.01] [--consistency Bounded] [--flat-max-rows N]
-                                  [--skip-flat] [--data-dir DIR]
+                                  [--skip-flat] [--data-dir DIR] [--lock FILE]
 
 Backends: `lite` is milvus-lite 2.5.1 (the default install; its IVF_FLAT ignores nprobe and it has no
 HNSW); `server` is the standalone Milvus 2.3.5 of the `milvus` wheel (a dev dependency), started in a
@@ -11,13 +11,36 @@ network namespace of its own (tests/milvus_server.py; needs root), where HNSW, I
 tenant partition key are real. On the server the rows are searched at --consistency (default Bounded;
 the service's default Strong waits for a time tick, ~200 ms a search: one extra row per index shows it).
 
-Data: 256-d unit vectors (face model v2's dimension) from a fixed seed, clustered like a face gallery:
-every chunk of 10,000 rows is 2,000 people with 5 photos each (a random unit centre per person plus
-noise giving a same-person cosine of about 0.7; different people are near orthogonal). A share of the
-chunks (--small-share, 1 % by default: every 100th chunk) belongs to a small tenant, the rest to one big
-tenant. Queries are new photos (fresh noise) of
-enrolled people, half of each tenant. Exact top 10 is computed in numpy chunk by chunk while inserting, so
-the bench never holds the whole gallery in memory (10 M x 256 floats is 10 GB).
+Data: 256-d unit vectors (face model v2's dimension) from a fixed seed, shaped like the service's own
+embeddings. Every chunk of 10,000 rows is 2,000 people with 5 photos each; a photo is
+normalise(mean + centre + noise): `mean` is one direction shared by every face (norm MEAN_NORM), a person's
+`centre` is Gaussian with a decaying eigen-spectrum (variance of the k-th of 256 random orthogonal
+directions proportional to k^-SPECTRUM_DECAY, total CENTRE_VARIANCE: an effective dimension, the
+participation ratio, of about 112), and `noise` is isotropic with total variance NOISE_VARIANCE scaled per
+photo by a log-normal factor (NOISE_SPREAD), since photos differ in quality. A share of the chunks
+(--small-share, 1 % by default: every 100th chunk) belongs to a small tenant, the rest to one big tenant.
+Queries are new photos (fresh noise) of enrolled people, half of each tenant. Exact top 10 is computed in
+numpy chunk by chunk while inserting, so the bench never holds the whole gallery in memory (10 M x 256
+floats is 10 GB).
+
+Why these parameters: the fused face-model-v2 embeddings of the 1,489 identity photos of
+../shared/testdata/faces-calib (measured 2026-11-25 with bench.face_embeddings; only these summary figures
+were kept) have stranger-pair cosines of mean 0.639, sd 0.040, percentiles 1 / 50 / 99 / 99.9 / 99.99 at
+0.547 / 0.639 / 0.732 / 0.762 / 0.784 (1.1 M pairs, max 0.826), same-person cosines of mean 0.872, sd
+0.047, percentiles 5 / 50 at 0.802 / 0.876 (1,504 pairs); the mean embedding has norm 0.80 (so strangers
+share ~0.64 of cosine) and the spread around it is far from isotropic (the first 16 of 256 principal
+directions hold 32 % of the variance). The generator gives stranger cosines of mean 0.643, sd 0.043,
+percentiles 1 / 50 / 99 / 99.9 / 99.99 at 0.530 / 0.645 / 0.732 / 0.756 / 0.774, and same-person cosines
+of mean 0.872, sd 0.034, percentiles 5 / 50 at 0.809 / 0.876. The earlier generator (random unit centres:
+strangers near-orthogonal at 0 +- 0.06) made every neighbour past a person's own photos a near-tie, where
+recall@10 says little; here the top 10 has the realistic mix of a person's photos and look-alikes.
+
+Two recalls per row: recall@10 against the exact top 10, and "match recall", the share of the matches the
+service would return that the index finds: exact neighbours in the top 10 at or above the service's match
+bar for the searched tenant's size (the calibration's min_score_for_gallery at the default FPIR 1 %, as
+cosine; printed under the table), found by the index with the same bar. "matches/q" is the mean number of
+such exact matches per query (the rest of a person's photos fall below the bar, as ~half of real
+same-person pairs do at a 1 M gallery).
 
 Inserts go through MilvusGalleryStore (the service's code path) under exact FLAT search; unless
 --skip-flat the queries are timed on it. Then a store with an index policy naming the first of --indexes
@@ -36,6 +59,8 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import fcntl
+import functools
 import os
 import statistics
 import tempfile
@@ -48,6 +73,7 @@ from typing import Any
 import numpy as np
 
 from bench.common import format_table
+from models.calibration import FaceScoreCalibration
 from models.embedder import FUSED_DIM
 from serve_app.domain.faces import GalleryEntry
 from serve_app.launch.embedded import EmbeddedMilvus
@@ -62,7 +88,12 @@ from serve_app.stores.milvus_gallery import (
 DIM = FUSED_DIM  # face model v2
 CHUNK = 10_000
 PHOTOS_PER_PERSON = 5
-NOISE = 0.064  # per-dimension; |noise|^2 ~ 256 * 0.064^2 ~ 1.05, so same-person cosine ~ 0.7
+# Generator parameters, fitted to the real embeddings' summary statistics (module docstring).
+MEAN_NORM = 0.8  # the direction every face shares: stranger cosines centre on ~0.64
+CENTRE_VARIANCE = 0.23  # between people: same-person cosine ~0.64 + 0.23
+SPECTRUM_DECAY = 0.6  # centre variance along the k-th direction ~ k^-0.6
+NOISE_VARIANCE = 1.0 - MEAN_NORM**2 - CENTRE_VARIANCE  # within a person; unit norm on average
+NOISE_SPREAD = 0.2  # sd of the log of a photo's noise scale
 BIG, SMALL = "tenant-big", "tenant-small"
 SEED = 20261123
 K = 10
@@ -75,17 +106,36 @@ def chunk_tenant(index: int) -> str:
     return SMALL if index % SMALL_EVERY == SMALL_EVERY - 1 else BIG
 
 
+@functools.cache
+def face_space() -> tuple[np.ndarray, np.ndarray]:
+    """The shared mean direction (norm MEAN_NORM) and the centres' scaled principal directions (rows)."""
+    rng = np.random.default_rng([SEED, 99])
+    mean = rng.standard_normal(DIM)
+    mean *= MEAN_NORM / np.linalg.norm(mean)
+    basis = np.linalg.qr(rng.standard_normal((DIM, DIM)))[0]
+    variances = np.arange(1, DIM + 1, dtype=np.float64) ** -SPECTRUM_DECAY
+    variances *= CENTRE_VARIANCE / variances.sum()
+    return mean.astype(np.float32), (basis * np.sqrt(variances)).T.astype(np.float32)
+
+
 def chunk_centres(index: int, chunk: int) -> np.ndarray:
+    """The people of a chunk: mean plus a centre drawn from the decaying spectrum (not unit length)."""
     rng = np.random.default_rng([SEED, chunk, index, 0])
-    centres = rng.standard_normal((chunk // PHOTOS_PER_PERSON, DIM), dtype=np.float32)
-    return centres / np.linalg.norm(centres, axis=1, keepdims=True)
+    mean, directions = face_space()
+    return mean + rng.standard_normal((chunk // PHOTOS_PER_PERSON, DIM), dtype=np.float32) @ directions
+
+
+def photos(centres: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """One unit vector per centre row: the centre plus this photo's noise."""
+    scale = np.exp(rng.standard_normal((len(centres), 1)) * NOISE_SPREAD - NOISE_SPREAD**2)  # E[scale^2] = 1
+    noise = rng.standard_normal(centres.shape, dtype=np.float32) * np.sqrt(NOISE_VARIANCE / DIM) * scale
+    vectors = (centres + noise).astype(np.float32)
+    return vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
 
 
 def chunk_vectors(index: int, chunk: int) -> np.ndarray:
     rng = np.random.default_rng([SEED, chunk, index, 1])
-    vectors = np.repeat(chunk_centres(index, chunk), PHOTOS_PER_PERSON, axis=0)
-    vectors += rng.standard_normal(vectors.shape, dtype=np.float32) * NOISE
-    return vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+    return photos(np.repeat(chunk_centres(index, chunk), PHOTOS_PER_PERSON, axis=0), rng)
 
 
 @dataclass
@@ -110,8 +160,7 @@ def make_queries(tenant: str, chunks: list[int], chunk: int, count: int) -> Quer
     probes = np.empty((count, DIM), np.float32)
     for q in range(count):
         centres = chunk_centres(chunks[rng.integers(0, len(chunks))], chunk)
-        probe = centres[rng.integers(0, len(centres))] + rng.standard_normal(DIM, dtype=np.float32) * NOISE
-        probes[q] = probe / np.linalg.norm(probe)
+        probes[q] = photos(centres[rng.integers(0, len(centres))][None], rng)[0]
     return Queries(tenant, probes, np.full((count, K), -np.inf, np.float32), np.zeros((count, K), np.int64))
 
 
@@ -133,16 +182,25 @@ async def fill(store: MilvusGalleryStore, size: int, chunk: int, queries: list[Q
     return size / (time.perf_counter() - started)
 
 
-MATCH_SIMILARITY = 0.5  # same-person photos score ~0.7, other people ~0 +- 0.06 with this generator
+def match_bar(tenant_rows: int) -> float:
+    """The cosine the service's matches must reach in a gallery of this size (default FPIR)."""
+    calibration = FaceScoreCalibration.load()
+    return calibration.cosine_for_score(calibration.min_score_for_gallery(tenant_rows))
+
+
+@dataclass(frozen=True)
+class Recall:
+    at_k: float  # recall@10 against the exact top 10
+    matches: float  # share of the exact matches (top 10 at or above the bar) the index returned
+    matches_per_query: float  # mean number of exact matches per query
 
 
 async def time_searches(
-    store: MilvusGalleryStore, queries: Queries
-) -> tuple[list[float], tuple[float, float]]:
-    """Latencies (ms, warm-up excluded), mean recall@10 against the exact top 10, and the recall of the
-    exact top 10's matches alone (similarity >= MATCH_SIMILARITY: the same person's other photos)."""
+    store: MilvusGalleryStore, queries: Queries, bar: float
+) -> tuple[list[float], Recall]:
+    """Latencies (ms, warm-up excluded) and recalls (Recall) of the queries, one search at a time."""
     timings: list[float] = []
-    hits = matched = matches_total = 0
+    hits = found_matches = matches_total = 0
     for warm in queries.probes[:10]:
         await store.search(queries.tenant, warm, K, -1.0)
     for probe, truth, scores in zip(queries.probes, queries.best_ids, queries.best_scores, strict=True):
@@ -151,10 +209,12 @@ async def time_searches(
         timings.append((time.perf_counter() - started) * 1000)
         found = {int(m.face_id[1:]) for m in matches}
         hits += len(found & {int(t) for t in truth})
-        same_person = {int(t) for t, score in zip(truth, scores, strict=True) if score >= MATCH_SIMILARITY}
-        matched += len(found & same_person)
-        matches_total += len(same_person)
-    return timings, (hits / (K * len(queries.probes)), matched / max(1, matches_total))
+        above = {int(m.face_id[1:]) for m in matches if m.similarity >= bar}
+        exact = {int(t) for t, score in zip(truth, scores, strict=True) if score >= bar}
+        found_matches += len(above & exact)
+        matches_total += len(exact)
+    count = len(queries.probes)
+    return timings, Recall(hits / (K * count), found_matches / max(1, matches_total), matches_total / count)
 
 
 def percentile(values: list[float], fraction: float) -> float:
@@ -212,6 +272,41 @@ def milvus(backend: str, scratch: Path) -> Iterator[Server]:
         link.teardown()
 
 
+def set_nice(pid: int | None, value: int) -> None:
+    """Every thread of the process at this nice value (Linux: each thread has its own)."""
+    if pid is None:
+        return
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.setpriority(os.PRIO_PROCESS, int(tid), value)
+
+
+@contextlib.contextmanager
+def timed_phase(lock: Path | None, server_pid: int | None, loads: list[float]) -> Iterator[None]:
+    """The timed searches on a shared machine: one heavy job at a time (an exclusive flock on `lock`, when
+    given) and at normal priority for this process and the server (the bench may run under `nice`, which
+    the long inserts and builds should: raising the priority back needs root). Notes the 1-minute load
+    average at the start into `loads`."""
+    handle = lock.open("a") if lock is not None else None
+    niced = os.getpriority(os.PRIO_PROCESS, 0)
+    try:
+        if handle is not None:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        loads.append(os.getloadavg()[0])
+        if niced > 0:
+            with contextlib.suppress(PermissionError):
+                set_nice(os.getpid(), 0)
+                set_nice(server_pid, 0)
+        yield
+    finally:
+        if niced > 0:
+            with contextlib.suppress(PermissionError):
+                set_nice(server_pid, niced)
+                set_nice(os.getpid(), niced)
+        if handle is not None:
+            handle.close()  # releases the lock
+
+
 def rebuild(uri: str, collection: str, index: str, params: dict[str, int]) -> None:
     """Replace the collection's index (release, drop, build, load), as the store's switch does."""
     from pymilvus import MilvusClient
@@ -228,13 +323,21 @@ def rebuild(uri: str, collection: str, index: str, params: dict[str, int]) -> No
         client.close()
 
 
-async def bench_size(server: Server, size: int, args: argparse.Namespace) -> list[list[str]]:
+async def bench_size(
+    server: Server, size: int, args: argparse.Namespace
+) -> tuple[list[list[str]], list[str]]:
     chunk = min(CHUNK, size // SMALL_EVERY)  # at least SMALL_EVERY chunks: the small tenant gets its share
     chunks = size // chunk
     queries = [
         make_queries(BIG, [c for c in range(chunks) if chunk_tenant(c) == BIG], chunk, args.queries),
         make_queries(SMALL, [c for c in range(chunks) if chunk_tenant(c) == SMALL], chunk, args.queries),
     ]
+    bars = {
+        tenant: match_bar(chunk * sum(chunk_tenant(c) == tenant for c in range(chunks)))
+        for tenant in (BIG, SMALL)
+    }
+    notes = [f"match bar: cosine {bars[BIG]:.4f} ({BIG}), {bars[SMALL]:.4f} ({SMALL})"]
+    print(f"  {notes[0]}", flush=True)
     collection = f"bench_{size}"
     common: dict[str, Any] = {
         "collection": collection, "model_version": "bench", "dimension": DIM, "timeout_s": 600,
@@ -244,21 +347,49 @@ async def bench_size(server: Server, size: int, args: argparse.Namespace) -> lis
     # policy would when the next insert crosses the threshold.
     store = MilvusGalleryStore(server.uri, **common)
     rows: list[list[str]] = []
-    notes: list[str] = []
+    loads: list[float] = []
 
-    def row(
-        label: str, index: str, params: str, timings: list[float], recall: tuple[float, float]
-    ) -> list[str]:
+    def timed() -> contextlib.AbstractContextManager[None]:
+        return timed_phase(args.lock, server.pid, loads)
+
+    def row(label: str, index: str, params: str, timings: list[float], recall: Recall) -> list[str]:
         return [f"{size:,}", label, index, params, f"{statistics.median(timings):.1f}",
-                f"{percentile(timings, 0.95):.1f}", f"{recall[0]:.4f}", f"{recall[1]:.4f}"]  # fmt: skip
+                f"{percentile(timings, 0.95):.1f}", f"{recall.at_k:.4f}", f"{recall.matches:.4f}",
+                f"{recall.matches_per_query:.2f}"]  # fmt: skip
+
+    async def time_index(index: str, policy: IndexPolicy, key: str, values: list[int]) -> None:
+        for value in values:
+            tuned = MilvusGalleryStore(
+                server.uri, index_policy=dataclasses.replace(policy, search_params={key: value}), **common
+            )
+            try:
+                for query in queries:
+                    timings, recall = await time_searches(tuned, query, bars[query.tenant])
+                    rows.append(row(query.tenant, index, f"{key}={value}", timings, recall))
+            finally:
+                await tuned.close()
+        if args.consistency != "Strong":  # what the service's default consistency adds
+            strong = MilvusGalleryStore(
+                server.uri, index_policy=dataclasses.replace(policy, search_params={key: values[0]}),
+                **{**common, "consistency_level": "Strong"},
+            )  # fmt: skip
+            try:
+                short = dataclasses.replace(queries[0], probes=queries[0].probes[:60],
+                                            best_ids=queries[0].best_ids[:60],
+                                            best_scores=queries[0].best_scores[:60])  # fmt: skip
+                timings, recall = await time_searches(strong, short, bars[BIG])
+                rows.append(row(BIG, index, f"{key}={values[0]}, Strong", timings, recall))
+            finally:
+                await strong.close()
 
     try:
         insert_rate = await fill(store, size, chunk, queries)
         print(f"  {size:,} rows at {insert_rate:,.0f} rows/s", flush=True)
         if not args.skip_flat:
-            for query in queries:
-                timings, recall = await time_searches(store, query)
-                rows.append(row(query.tenant, "FLAT", "-", timings, recall))
+            with timed():
+                for query in queries:
+                    timings, recall = await time_searches(store, query, bars[query.tenant])
+                    rows.append(row(query.tenant, "FLAT", "-", timings, recall))
         notes.append(f"insert {insert_rate:,.0f} rows/s; RSS {rss_mib(server.pid):,.0f} MiB with FLAT")
     finally:
         await store.close()
@@ -278,36 +409,17 @@ async def bench_size(server: Server, size: int, args: argparse.Namespace) -> lis
         notes.append(f"{index}: build+load {build_s:.0f} s, RSS {rss_mib(server.pid):,.0f} MiB loaded")
         print(f"  {notes[-1]}", flush=True)
         key, values = ("ef", args.ef) if index == "HNSW" else ("nprobe", args.nprobe)
-        for value in values:
-            tuned = MilvusGalleryStore(
-                server.uri, index_policy=dataclasses.replace(policy, search_params={key: value}), **common
-            )
-            try:
-                for query in queries:
-                    timings, recall = await time_searches(tuned, query)
-                    rows.append(row(query.tenant, index, f"{key}={value}", timings, recall))
-            finally:
-                await tuned.close()
-        if args.consistency != "Strong":  # what the service's default consistency adds
-            strong = MilvusGalleryStore(
-                server.uri, index_policy=dataclasses.replace(policy, search_params={key: values[0]}),
-                **{**common, "consistency_level": "Strong"},
-            )  # fmt: skip
-            try:
-                short = dataclasses.replace(queries[0], probes=queries[0].probes[:60],
-                                            best_ids=queries[0].best_ids[:60],
-                                            best_scores=queries[0].best_scores[:60])  # fmt: skip
-                timings, recall = await time_searches(strong, short)
-                rows.append(row(BIG, index, f"{key}={values[0]}, Strong", timings, recall))
-            finally:
-                await strong.close()
+        with timed():
+            await time_index(index, policy, key, values)
     notes.append(f"data dir {dir_mib(server.data_dir):,.0f} MiB")
+    notes.append("1-min load average at the timed phases: " + ", ".join(f"{load:.1f}" for load in loads))
     print(f"  N={size:,}: " + "; ".join(notes), flush=True)
-    return rows
+    return rows, notes
 
 
 async def main_async(args: argparse.Namespace) -> None:
     rows: list[list[str]] = []
+    notes: list[str] = []
     name = ""
     for size in args.sizes:
         with (
@@ -315,13 +427,27 @@ async def main_async(args: argparse.Namespace) -> None:
             milvus(args.backend, Path(scratch)) as server,
         ):
             name = server.name
-            rows += await bench_size(server, size, args)
-    header = ["N", "searched tenant", "index", "search", "p50 ms", "p95 ms", "recall@10", "match recall"]
+            size_rows, size_notes = await bench_size(server, size, args)
+            rows += size_rows
+            notes.append(f"N={size:,}: " + "; ".join(size_notes))
+    header = [
+        "N",
+        "searched tenant",
+        "index",
+        "search",
+        "p50 ms",
+        "p95 ms",
+        "recall@10",
+        "match recall",
+        "matches/q",
+    ]
     print(
-        f"\n{name}, {DIM}-d clustered unit vectors, IP, top {K}, {args.queries} queries per row, one at a "
+        f"\n{name}, {DIM}-d face-like unit vectors, IP, top {K}, {args.queries} queries per row, one at a "
         f"time, consistency {args.consistency}; small tenant {1 / SMALL_EVERY:.1%} of the rows"
     )
     print(format_table(header, rows))
+    for note in notes:
+        print(note)
 
 
 def main() -> None:
@@ -345,6 +471,10 @@ def main() -> None:
     parser.add_argument("--nprobe", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--skip-flat", action="store_true", help="skip the exact-search timings")
     parser.add_argument("--data-dir", type=Path, default=None, help="where the servers keep their data")
+    parser.add_argument(
+        "--lock", type=Path, default=None,
+        help="a file to flock for each timed phase (one heavy job at a time on a shared machine)",
+    )  # fmt: skip
     args = parser.parse_args()
     global SMALL_EVERY
     if not 0 < args.small_share <= 0.5:

@@ -4,7 +4,8 @@ a face that is being enrolled.
 Who writes what, in which order:
 - enrolment (processing._add): the record, then the vector, then the transaction becomes final. Faces with
   a client_reference do both writes under the reference's lock; faces without one take no lock.
-- removal (delete, erasure, override): the vector, then the record, then the proof image.
+- removal (delete, erasure, override): the vector (from the collection of every model version), then the
+  record, then the proof image.
 - re-indexing: under the face's lock (FaceRecord.lock_subject), a vector of the current version for a
   record it has just re-read, then the record.
 - face ids are "f" + the reference id of the transaction that enrols them, and only the processing of that
@@ -14,29 +15,32 @@ Nothing is decided from one snapshot. A pass walks each tenant in bounded batche
 faces as suspects (in the ReconcileState, with the time first seen); a suspect is repaired only when a
 later re-check, at least `grace_s` after it was first seen, still finds it inconsistent:
 
-Vectors without a record. Each batch reads the vectors first and their records second. A vector is written
-after its record, so a record read after its vector was seen is found, unless a removal took it: the race
-of reading records before vectors (a face enrolled between the two reads looked like debris and lost its
-vector) cannot happen in this order. The re-check after the grace period reads the face's transaction
-first: while it is not final, an attempt may still write the face, and the suspect waits. Then, under the
-reference's lock (the transaction names the client_reference; the vector does not), the record is read
-again and the vector is deleted only if it is still absent. Under the lock no enrolment of that reference
-is between its two writes, and one that starts later writes its record and then its vector again, so the
-deletion cannot undo it. A face enrolled without a client_reference takes its own lock
-(FaceRecord.lock_subject), which only a re-index or a deletion of it takes too; its enrolment takes none,
-and for that the re-read is sufficient on its own because its only enrolling writer is its own
-transaction, which the re-check found final before reading the record: a final transaction is never
-processed again (mark_processing refuses it), and an attempt that began before it became final (a worker
-presumed dead whose entry was reclaimed) is bounded by the worker's deadlines, far shorter than the grace
-period. A transaction that is gone (expired after its retention period, or a face id not derived from
-one) has no writer at all.
+Vectors without a record. The scan reads the vectors of every model version the gallery holds (a vector an
+older version enrolled outlives a re-index in its own collection, and a removal interrupted before it
+reached every collection leaves such copies), and a repair deletes the face from all of them. Each batch
+reads the vectors first and their records second. A vector is written after its record, so a record read
+after its vector was seen is found, unless a removal took it: the race of reading records before vectors (a
+face enrolled between the two reads looked like debris and lost its vector) cannot happen in this order. The
+re-check after the grace period reads the face's transaction first: while it is not final, an attempt may
+still write the face, and the suspect waits. Then, under the reference's lock (the transaction names the
+client_reference; the vector does not), the record is read again and the vector is deleted only if it is
+still absent. Under the lock no enrolment of that reference is between its two writes, and one that starts
+later writes its record and then its vector again, so the deletion cannot undo it. A face enrolled without a
+client_reference takes its own lock (FaceRecord.lock_subject), which only a re-index or a deletion of it
+takes too; its enrolment takes none, and for that the re-read is sufficient on its own because its only
+enrolling writer is its own transaction, which the re-check found final before reading the record: a final
+transaction is never processed again (mark_processing refuses it), and an attempt that began before it
+became final (a worker presumed dead whose entry was reclaimed) is bounded by the worker's deadlines, far
+shorter than the grace period. A transaction that is gone (expired after its retention period, or a face id
+not derived from one) has no writer at all.
 
 Records without a vector. The re-check reads the transaction first and the vector second. Once the
-transaction is final its attempt has written the vector (the vector precedes completion), so a vector
-still absent when read after that is truly missing: the enrolment was given up between its two writes, or
-the vector was lost. Such a record and its proof image are removed, under the reference's lock when it has
-one. A record of another face model version (a gallery enrolled before an upgrade) has its vector in that
-version's own collection, not in this one: it is left alone (kept for re-indexing, never searched).
+transaction is final its attempt has written the vector (the vector precedes completion), so a vector still
+absent when read after that is truly missing: the enrolment was given up between its two writes, or the
+vector was lost. Such a record and its proof image are removed, under the reference's lock when it has one,
+and with them any vector of the face an older model version left behind (so no copy outlives it). A record
+of another face model version (a gallery enrolled before an upgrade) has its vector in that version's own
+collection, not in this one: it is left alone (kept for re-indexing, never searched).
 
 Scale: one pass at a time across the cluster (a lease in the ReconcileState that expires when its holder
 dies, renewed after every batch); tenants and faces are walked in face id order with cursors (records'
@@ -210,7 +214,7 @@ class Reconciler:
     async def _scan_vectors(self, tenant: str, after: str | None, report: ReconcileReport) -> None:
         while True:
             # Vectors first, their records second: see the module docstring.
-            face_ids, after = await self.gallery.page_ids(tenant, after, self.policy.batch)
+            face_ids, after = await self.gallery.page_ids(tenant, after, self.policy.batch, all_versions=True)
             report.vectors += len(face_ids)
             found = await self.records.get_many(tenant, face_ids)
             missing = [face_id for face_id in face_ids if face_id not in found]
@@ -267,9 +271,9 @@ class Reconciler:
         ):
             if await self.records.get(tenant, face_id) is not None:
                 return False
-            if not await self.gallery.present(tenant, [face_id]):
+            if not await self.gallery.present(tenant, [face_id], all_versions=True):
                 return False
-            await self.gallery.delete(tenant, [face_id])
+            await self.gallery.delete(tenant, [face_id])  # from every version's collection
         logger.info("reconciliation: deleted the vector of %s/%s, which has no record", tenant, face_id)
         return True
 
@@ -288,6 +292,7 @@ class Reconciler:
             record = await self.records.get(tenant, face_id)
             if record is None:
                 return False
+            await self.gallery.delete(tenant, [face_id])  # copies an older model version left behind
             await self.records.delete(tenant, face_id)
             if self.blobs is not None:
                 await self.blobs.delete(record.proof_key)

@@ -176,16 +176,23 @@ class GalleryStore(Protocol):
         cosine similarity >= min_similarity; at most `limit` (none when limit <= 0)."""
 
     async def delete(self, tenant_id: str, face_ids: Sequence[str]) -> None:
-        """Remove these faces of this tenant; ids unknown or of another tenant are left alone."""
+        """Remove these faces of this tenant from the gallery of every model version (the vectors an
+        earlier version enrolled, which a re-index left in place, included): a deleted or erased face
+        leaves no vector anywhere. Ids unknown or of another tenant are left alone."""
 
     async def all_face_ids(self, tenant_id: str | None = None) -> set[tuple[str, str]]: ...
 
-    async def page_ids(self, tenant_id: str, after: str | None, limit: int) -> tuple[list[str], str | None]:
+    async def page_ids(
+        self, tenant_id: str, after: str | None, limit: int, *, all_versions: bool = False
+    ) -> tuple[list[str], str | None]:
         """Up to `limit` of the tenant's face ids in face_id order, after the face id `after`, and the cursor
-        to continue from (None at the end): a scan in bounded batches that can resume in another process."""
+        to continue from (None at the end): a scan in bounded batches that can resume in another process.
+        all_versions: the ids with a vector of any model version (each id once), not only of the store's."""
 
-    async def present(self, tenant_id: str, face_ids: Sequence[str]) -> set[str]:
-        """Which of these face ids have a vector."""
+    async def present(
+        self, tenant_id: str, face_ids: Sequence[str], *, all_versions: bool = False
+    ) -> set[str]:
+        """Which of these face ids have a vector (of the store's version, or with all_versions of any)."""
 
     async def count(self) -> int: ...
 

@@ -4,7 +4,16 @@
 - One collection per face model version (`{collection}_{model_version}`, dimension and all), and every
   search is also filtered by model_version: vectors of different models are never compared. Vectors are
   unit length and searched by inner product (metric IP), so a match carries the cosine similarity.
-  Galleries enrolled with an older version stay in their own collection, untouched and unsearched.
+  Galleries enrolled with an older version stay in their own collection, unsearched.
+- Removal reaches every version: `delete` removes the faces from every collection of the gallery (every
+  `{collection}_*` collection with the gallery's schema, found when the delete runs), so a face deleted or
+  erased after a re-index leaves no copy in an older version's collection, which a switch back, or anyone
+  reading that collection, would otherwise still find. The older collections go first and the store's own
+  collection last: a removal interrupted in between leaves the face whole and searchable where it is
+  served, and the caller's retry (or reconciliation) finishes it. A collection the server has not loaded
+  (released to save memory) cannot evaluate a filter on a Milvus server ("collection not loaded"), so
+  there the face ids alone select the rows: a face_id names one face in every tenant (see
+  interfaces.GalleryStore), and the caller has matched it to the tenant's face record.
 - Filters are strings parsed by the server. milvus-lite 2.5.1 rejects filter templates (filter_params:
   "token recognition error at '{'"), so values are validated and quoted by `milvus_string()`; only
   tenant ids and face ids (both ours) ever reach a filter.
@@ -166,7 +175,9 @@ class MilvusGalleryStore:
             raise ValueError("dimension must be positive")
         self._uri = uri
         self._model_version = _checked_id(model_version, "model_version")
-        self._collection = f"{collection}_{model_version}".replace(".", "_").replace("-", "_")
+        self._prefix = f"{collection}_".replace(".", "_").replace("-", "_")
+        self._collection = f"{self._prefix}{model_version}".replace(".", "_").replace("-", "_")
+        self._gallery_names: set[str] = set()  # collections seen to have the gallery's schema
         self._dimension = dimension
         self._token = token
         self._timeout_s = timeout_s
@@ -258,11 +269,13 @@ class MilvusGalleryStore:
         )
         index = client.describe_index(self._collection, "embedding", timeout=timeout) or {}
         self._index_type = str(index.get("index_type", ""))
-        self._rows_seen = self._count(client)
         if not self._index_type:
             # A switch of index interrupted between drop and create: build the one the size calls for.
-            self._build_index(client, self._wanted_index(client, self._rows_seen))
+            self._build_index(client, self._wanted_index(client, self._count(client)))
         client.load_collection(self._collection, timeout=timeout)
+        # Counted once loaded: a Milvus server answers no query on a released collection (one released to
+        # save memory, say an older model version's, which a store may open again).
+        self._rows_seen = self._count(client)
         # A FLAT collection already past the threshold switches through _switch_if_due (under the lease).
 
     def _create_collection(self, client: Any, name: str, *, partitioned: bool) -> None:
@@ -373,6 +386,24 @@ class MilvusGalleryStore:
         """Whether the collection's tenant_id is its partition key."""
         return self._partitioned
 
+    def _version_collections(self, client: Any) -> list[tuple[str, bool]]:
+        """(name, loaded) of the gallery's collections: those of the other model versions, then the
+        store's own (loaded: it is prepared before any call)."""
+        others = []
+        for name in sorted(client.list_collections(timeout=self._timeout_s)):
+            if name == self._collection or not name.startswith(self._prefix):
+                continue
+            if name not in self._gallery_names:
+                fields = client.describe_collection(name, timeout=self._timeout_s).get("fields", [])
+                names = {str(f.get("name")) for f in fields}
+                keyed = any(f.get("name") == "face_id" and f.get("is_primary") for f in fields)
+                if not (keyed and {"tenant_id", "model_version", "embedding"} <= names):
+                    continue  # another application's collection that happens to share the prefix
+                self._gallery_names.add(name)
+            state = client.get_load_state(name, timeout=self._timeout_s).get("state")
+            others.append((name, getattr(state, "name", str(state)) == "Loaded"))
+        return [*others, (self._collection, True)]
+
     # -- GalleryStore -----------------------------------------------------------------------------------
 
     async def ensure_ready(self) -> None:
@@ -478,19 +509,31 @@ class MilvusGalleryStore:
         return matches
 
     async def delete(self, tenant_id: str, face_ids: Sequence[str]) -> None:
+        """Removes the faces from every model version's collection (module docstring)."""
         if not face_ids:
             return
         tenant = milvus_string(_checked_id(tenant_id, "tenant_id"))
         ids = [milvus_string(_checked_id(face_id, "face_id")) for face_id in face_ids]
 
         def delete(client: Any) -> None:
-            for start in range(0, len(ids), _BATCH):
-                batch = ", ".join(ids[start : start + _BATCH])
-                # The tenant condition keeps a delete from ever touching another tenant's faces.
-                client.delete(
-                    self._collection, filter=f"tenant_id == {tenant} and face_id in [{batch}]",
-                    timeout=self._timeout_s,
-                )  # fmt: skip
+            from pymilvus.exceptions import MilvusException
+
+            for name, loaded in self._version_collections(client):
+                for start in range(0, len(ids), _BATCH):
+                    batch = ", ".join(ids[start : start + _BATCH])
+                    # The tenant condition keeps a delete from ever touching another tenant's faces; a
+                    # collection that is not loaded cannot evaluate it (module docstring).
+                    condition = f"tenant_id == {tenant} and " if loaded else ""
+                    try:
+                        client.delete(
+                            name, filter=f"{condition}face_id in [{batch}]", timeout=self._timeout_s
+                        )
+                    except MilvusException:
+                        # An older version's collection dropped since it was listed holds nothing to remove.
+                        if name == self._collection or client.has_collection(name, timeout=self._timeout_s):
+                            raise
+                        self._gallery_names.discard(name)
+                        break
 
         await self._run(delete)
 
@@ -515,27 +558,41 @@ class MilvusGalleryStore:
 
         return await self._run(scan)
 
-    async def page_ids(self, tenant_id: str, after: str | None, limit: int) -> tuple[list[str], str | None]:
+    async def page_ids(
+        self, tenant_id: str, after: str | None, limit: int, *, all_versions: bool = False
+    ) -> tuple[list[str], str | None]:
         expression = f"tenant_id == {milvus_string(_checked_id(tenant_id, 'tenant_id'))}"
         if after is not None:
             expression += f" and face_id > {milvus_string(_checked_id(after, 'face_id'))}"
 
-        def first_batch(client: Any) -> list[str]:
+        def first_batches(client: Any) -> list[str]:
             # A query iterator returns rows in primary key order, which a plain query with a limit does
-            # not promise: its first batch is the next `limit` face ids after the cursor.
-            iterator = client.query_iterator(
-                self._collection, batch_size=limit, filter=expression, output_fields=["face_id"],
-                timeout=self._timeout_s,
-            )  # fmt: skip
-            try:
-                return sorted(str(row["face_id"]) for row in iterator.next())
-            finally:
-                iterator.close()
+            # not promise: its first batch is the next `limit` face ids after the cursor. Over several
+            # collections, the first `limit` of their merged batches are the next `limit` ids of all.
+            found: set[str] = set()
+            for name in self._scanned(client, all_versions):
+                iterator = client.query_iterator(
+                    name, batch_size=limit, filter=expression, output_fields=["face_id"],
+                    timeout=self._timeout_s,
+                )  # fmt: skip
+                try:
+                    found.update(str(row["face_id"]) for row in iterator.next())
+                finally:
+                    iterator.close()
+            return sorted(found)[:limit]
 
-        face_ids = await self._run(first_batch) if limit > 0 else []
+        face_ids = await self._run(first_batches) if limit > 0 else []
         return face_ids, (face_ids[-1] if len(face_ids) == limit else None)
 
-    async def present(self, tenant_id: str, face_ids: Sequence[str]) -> set[str]:
+    def _scanned(self, client: Any, all_versions: bool) -> list[str]:
+        # Queries need a loaded collection: one released to save memory is not scanned.
+        if not all_versions:
+            return [self._collection]
+        return [name for name, loaded in self._version_collections(client) if loaded]
+
+    async def present(
+        self, tenant_id: str, face_ids: Sequence[str], *, all_versions: bool = False
+    ) -> set[str]:
         if not face_ids:
             return set()
         tenant = milvus_string(_checked_id(tenant_id, "tenant_id"))
@@ -543,13 +600,14 @@ class MilvusGalleryStore:
 
         def query(client: Any) -> set[str]:
             found: set[str] = set()
-            for start in range(0, len(ids), _BATCH):
-                batch = ", ".join(ids[start : start + _BATCH])
-                rows = client.query(
-                    self._collection, filter=f"tenant_id == {tenant} and face_id in [{batch}]",
-                    output_fields=["face_id"], consistency_level="Strong", timeout=self._timeout_s,
-                )  # fmt: skip
-                found.update(str(row["face_id"]) for row in rows)
+            for name in self._scanned(client, all_versions):
+                for start in range(0, len(ids), _BATCH):
+                    batch = ", ".join(ids[start : start + _BATCH])
+                    rows = client.query(
+                        name, filter=f"tenant_id == {tenant} and face_id in [{batch}]",
+                        output_fields=["face_id"], consistency_level="Strong", timeout=self._timeout_s,
+                    )  # fmt: skip
+                    found.update(str(row["face_id"]) for row in rows)
             return found
 
         return await self._run(query)

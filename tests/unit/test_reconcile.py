@@ -284,12 +284,16 @@ class EnrolWhenScanned:
     async def all_face_ids(self, tenant_id: str | None = None) -> set[tuple[str, str]]:
         return await self._inner.all_face_ids(tenant_id)
 
-    async def page_ids(self, tenant_id: str, after: str | None, limit: int) -> tuple[list[str], str | None]:
+    async def page_ids(
+        self, tenant_id: str, after: str | None, limit: int, *, all_versions: bool = False
+    ) -> tuple[list[str], str | None]:
         await self._enrol()
-        return await self._inner.page_ids(tenant_id, after, limit)
+        return await self._inner.page_ids(tenant_id, after, limit, all_versions=all_versions)
 
-    async def present(self, tenant_id: str, face_ids: Sequence[str]) -> set[str]:
-        return await self._inner.present(tenant_id, face_ids)
+    async def present(
+        self, tenant_id: str, face_ids: Sequence[str], *, all_versions: bool = False
+    ) -> set[str]:
+        return await self._inner.present(tenant_id, face_ids, all_versions=all_versions)
 
     async def count(self) -> int:
         return await self._inner.count()

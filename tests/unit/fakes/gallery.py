@@ -82,12 +82,17 @@ class FakeGalleryStore:
         await self._faults.check("gallery.all_face_ids")
         return {key for key in self._items if tenant_id is None or key[0] == tenant_id}
 
-    async def page_ids(self, tenant_id: str, after: str | None, limit: int) -> tuple[list[str], str | None]:
+    async def page_ids(
+        self, tenant_id: str, after: str | None, limit: int, *, all_versions: bool = False
+    ) -> tuple[list[str], str | None]:
+        # One model version only: all_versions reads the same vectors.
         await self._faults.check("gallery.page_ids")
         chosen = sorted(f for t, f in self._items if t == tenant_id and (after is None or f > after))[:limit]
         return chosen, (chosen[-1] if len(chosen) == limit else None)
 
-    async def present(self, tenant_id: str, face_ids: Sequence[str]) -> set[str]:
+    async def present(
+        self, tenant_id: str, face_ids: Sequence[str], *, all_versions: bool = False
+    ) -> set[str]:
         await self._faults.check("gallery.present")
         return {face_id for face_id in face_ids if (tenant_id, face_id) in self._items}
 
