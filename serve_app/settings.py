@@ -84,8 +84,8 @@ class MilvusSettings(_Group):
     )
     large_index: str = Field(
         "",
-        description="`IVF_FLAT`, `IVF_SQ8` or `HNSW`; unset: HNSW on a Milvus server, FLAT kept on "
-        "milvus-lite",
+        description="`IVF_FLAT`, `IVF_SQ8` or `HNSW`; unset: IVF_FLAT on a Milvus server (it kept the most "
+        "matches, docs/scaling.md), FLAT kept on milvus-lite",
     )
     # JSON objects of numbers in the environment; strict, so a quoted number or a boolean stops start-up.
     index_params: dict[str, StrictInt | StrictFloat] = Field(
@@ -97,7 +97,7 @@ class MilvusSettings(_Group):
         default_factory=dict,
         description="JSON, search parameters of the large index (`nprobe` for IVF_FLAT / IVF_SQ8, `ef` for "
         "HNSW); "
-        'defaults: `{"nprobe": 32, "ef": 128}`',
+        'defaults: `{"nprobe": 64, "ef": 128}`',
     )
     consistency_level: Literal["Strong", "Bounded", "Session", "Eventually"] = Field(
         "Strong",
@@ -414,8 +414,8 @@ def _variable(model: type[BaseSettings], name: str, field: FieldInfo) -> str:
 
 
 def _default(field: FieldInfo) -> str:
-    value = field.get_default(call_default_factory=False)
-    if value is None or value == () or value == "":
+    value = field.get_default(call_default_factory=True)  # an empty JSON object, not "PydanticUndefined"
+    if value is None or value == {} or value == () or value == "":
         return "unset"
     if isinstance(value, float) and value.is_integer():
         value = int(value)
