@@ -490,7 +490,7 @@ def fit_bands(corrected: np.ndarray, ages: np.ndarray) -> tuple[dict[str, float]
     child is ever cleared. under_21 = 0 from the same cut, unless more than YOUNG_ADULT_CLEARED_SHARE of the
     calib faces aged 18-20 would then be cleared; then from just above the estimates of all but that share
     of them (plus the margin). The oldest-looking face under 21 no longer sets under_21's cut alone: in
-    faces-calib it is one 20-year-old at 35.2, 3.7 years above the next (README "Age estimation")."""
+    faces-calib it is one 20-year-old at 35.2, 3.7 years above the next (docs/age.md)."""
     minor_below = {
         limit: round(
             min(float(np.quantile(corrected[ages >= limit], MINOR_BAND_ADULT_SHARE)), float(limit)), 2

@@ -3,7 +3,7 @@ and the reason a flag is 50.
 
 A 0 ("certainly not a minor") is the one answer that can do harm, so it is withheld when the estimate might
 not be the subject's or might not be worth much. The rules were chosen on faces-wild and faces-calib with
-`python -m bench.age` (README "Age estimation"):
+`python -m bench.age` (docs/age.md):
 
 - face_quality: the subject (the largest face) misses the age quality bar (models.quality.AGE_QUALITY_BAR,
   not the enrolment bar): both flags are 50, never 0 or 100, because the estimate itself is in doubt;

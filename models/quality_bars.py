@@ -52,7 +52,7 @@ class Pose:
 
 
 # The bar below which an age estimate is not worth a 0 or a 100 (models.age_policy). Measured on faces-wild
-# (README "Age estimation"): a low detector score is the strongest sign of a wrong estimate (subjects under
+# (docs/age.md): a low detector score is the strongest sign of a wrong estimate (subjects under
 # 0.85: mean miss 20 years; partial, occluded or odd faces) and blur under 20 turned two young faces into
 # adults; turned heads mostly make the model under-estimate, which is safe, so yaw is allowed up to a
 # near-profile 2.0 (the enrolment bar's 0.8 withheld a fifth of the adults for nothing). Below 48 px the

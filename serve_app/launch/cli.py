@@ -37,7 +37,7 @@ from serve_app.settings import MaxMatches, MinScore, Settings
 logger = logging.getLogger("facesearch")
 
 LOOPBACK_ENV = {
-    # Keep Ray on the loopback interface of a single machine (see ../shared/notes/serving.md).
+    # Keep Ray on the loopback interface of a single machine: no cluster traffic leaves it.
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     # The uvicorn inside Ray's HTTP proxy would rewrite the client address from X-Forwarded-For for any
     # request from 127.0.0.1; the ingress decides that itself (FACESEARCH_TRUSTED_PROXIES).

@@ -50,7 +50,8 @@ a crash is resumed by the next holder. Memory is one batch of ids, whatever the 
 Given the transaction store and an upload grace period, it also sweeps orphaned blobs: uploads and proofs
 that neither a queued transaction nor a face record refers to (an upload whose transaction was never
 created, a file a crash left behind between two deletions), once older than the grace period. That sweep
-still gathers every proof key of the gallery in memory (blob file names are key hashes; see the README).
+still gathers every proof key of the gallery in memory (blob file names are key hashes; see
+docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@
   started, on every replica, so an enrolled face is searchable as soon as its enrolment is answered. On a
   Milvus server that costs up to one time tick per search (~200 ms at the default
   proxy.timeTickInterval); "Bounded" drops it, and a new face then becomes searchable within the
-  server's gracefulTime (5 s by default). See the README's "Milvus at scale".
+  server's gracefulTime (5 s by default). See docs/scaling.md, "Milvus at scale".
   Search parameters carry the keys of every index family, so a replica that has not yet noticed the
   switch still searches the new index with the configured nprobe / ef.
 """
