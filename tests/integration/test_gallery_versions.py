@@ -35,7 +35,7 @@ from pymilvus import MilvusClient
 from models.types import AnalyzedFace, DetectedFace
 from serve_app.domain.faces import FaceRecord, GalleryEntry
 from serve_app.domain.transactions import new_reference_id
-from serve_app.embedded import EmbeddedRedis
+from serve_app.launch.embedded import EmbeddedRedis
 from serve_app.pipelines.gallery import GalleryService
 from serve_app.pipelines.processing import enrolled_face_id
 from serve_app.pipelines.reconcile import ReconcilePolicy, Reconciler
