@@ -44,6 +44,7 @@ from tests.service_harness import RunningService, running_service
 
 if TYPE_CHECKING:
     from models.analyzer import ModelConfig
+    from serve_app.launch.topology import AppArgs
 
 DEFAULT_CONFIG = REPO_ROOT / "config" / "serve.yaml"  # the one-machine CPU topology, in_process
 
@@ -323,18 +324,19 @@ def benchmarked_service(
         yield service
 
 
-def app_args_for(topology: str, threads: int) -> dict[str, object]:
-    """build_app arguments of the benchmarked service on this box."""
-    app_args: dict[str, object] = {"topology": topology, "model_config": {"intra_op_threads": threads}}
-    if topology == "split":
-        # Three model replicas must fit next to the ingress and worker on a 2-CPU box.
-        share = {"ray_actor_options": {"num_cpus": 0.5}}
-        models = ("FaceDetectorModel", "FaceEmbedderModel", "AgeModel")
-        app_args["deployment_options"] = {name: share for name in models}
+def app_args_for(topology: str, threads: int) -> dict[str, object] | AppArgs:
+    """build_app arguments of the benchmarked service on this box: in_process is the shipped default
+    (config/serve.yaml, as `make run` starts it); split gets `threads` intra-op threads per model."""
     if topology == "in_process":
-        # The worker owns the models: it gets the CPU the model deployment would have had.
-        app_args["deployment_options"] = {"TransactionWorker": {"ray_actor_options": {"num_cpus": 1}}}
-    return app_args
+        return load_serve_config(DEFAULT_CONFIG).args
+    # Three model replicas must fit next to the ingress and worker on a 2-CPU box.
+    share = {"ray_actor_options": {"num_cpus": 0.5}}
+    models = ("FaceDetectorModel", "FaceEmbedderModel", "AgeModel")
+    return {
+        "topology": topology,
+        "model_config": {"intra_op_threads": threads},
+        "deployment_options": {name: share for name in models},
+    }
 
 
 def measure_service(

@@ -43,10 +43,11 @@ class AnalysisRecipe(Protocol):
 
 
 class ModelAnalysis:
-    """The analysis runner in this process, batched across the worker's concurrent transactions."""
+    """The analysis runner in this process, batched across the worker's concurrent transactions, with up to
+    `concurrent_batches` batches running at once."""
 
-    def __init__(self, model_config: dict[str, Any]) -> None:
-        self._batcher = RunnerBatcher("analysis", model_config)
+    def __init__(self, model_config: dict[str, Any], concurrent_batches: int = 1) -> None:
+        self._batcher = RunnerBatcher("analysis", model_config, concurrent_batches)
 
     async def analyze(self, image: np.ndarray, *, embed: bool, estimate_age: bool) -> list[AnalyzedFace]:
         faces: list[AnalyzedFace] = await self._batcher.run(AnalysisRequest(image, embed, estimate_age))
@@ -103,9 +104,10 @@ class OwnModels:
     """The worker owns the models (the one-machine CPU topology)."""
 
     model_config: dict[str, Any] = field(default_factory=dict)
+    concurrent_batches: int = 1
 
     def build(self) -> WorkerAnalysis:
-        return ModelAnalysis(self.model_config)
+        return ModelAnalysis(self.model_config, self.concurrent_batches)
 
 
 @dataclass(frozen=True)

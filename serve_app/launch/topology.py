@@ -48,6 +48,10 @@ class AppArgs(Strict):
     topology: Topology = "in_process"
     # models.analyzer.ModelConfig's fields; checked by ModelConfig.from_dict, which names unknown keys.
     models: dict[str, Any] = Field(default_factory=dict, alias="model_config")
+    # in_process: how many analysis batches the worker runs at once, each on model_config's intra-op
+    # threads. On a small CPU box, one single-threaded batch per core keeps every core busy through the
+    # single-threaded parts of a batch (docs/performance.md).
+    concurrent_batches: int = Field(1, ge=1)
     # Per-deployment Serve options (what a config's `deployments:` list says), by deployment name; the
     # launcher folds the config's list in here so it applies exactly what `serve run` would.
     deployment_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
@@ -62,6 +66,11 @@ class AppArgs(Strict):
 
     @model_validator(mode="after")
     def _deployments(self) -> AppArgs:
+        if self.topology != "in_process" and self.concurrent_batches != 1:
+            raise ValueError(
+                "concurrent_batches is the in_process worker's; the split topology's model deployments batch "
+                "on their own (their user_config)"
+            )
         known = DEPLOYMENTS[self.topology]
         for name, options in self.deployment_options.items():
             if name not in known:
@@ -104,7 +113,7 @@ def bind_app(args: dict[str, Any] | AppArgs) -> Application:
 
     analysis: AnalysisRecipe
     if app_args.topology == "in_process":
-        analysis = OwnModels(model_config)
+        analysis = OwnModels(model_config, app_args.concurrent_batches)
     else:
         # Bound deployments inside the recipe: Serve finds them there and hands the worker their handles.
         analysis = ModelDeployments(

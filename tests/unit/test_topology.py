@@ -47,10 +47,18 @@ def test_on_one_machine_the_worker_gets_its_own_models_with_the_configs_model_se
     from ray import cloudpickle
 
     model_config = {"intra_op_threads": 1, "allow_spinning": False}
-    worker = _built({"topology": "in_process", "model_config": model_config})["TransactionWorker"]
+    args = {"topology": "in_process", "model_config": model_config, "concurrent_batches": 2}
+    worker = _built(args)["TransactionWorker"]
     init_args = cloudpickle.loads(worker._replica_config.serialized_init_args)
-    assert init_args == (OwnModels(model_config),)
+    assert init_args == (OwnModels(model_config, concurrent_batches=2),)
     assert not cloudpickle.loads(worker._replica_config.serialized_init_kwargs)
+
+
+def test_concurrent_batches_belong_to_the_in_process_worker_only(backends: Settings) -> None:
+    with pytest.raises(ValueError, match="concurrent_batches is the in_process worker's"):
+        build_app({"topology": "split", "concurrent_batches": 2})
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
+        build_app({"concurrent_batches": 0})
 
 
 def test_the_default_topology_is_the_one_machine_cpu_wiring(backends: Settings) -> None:
