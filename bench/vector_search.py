@@ -54,10 +54,11 @@ the build at once (beyond 24 GiB): with --switch-early the inserting store itsel
 switches when an insert crosses --flat-max-rows, as the service does, so the server indexes each segment
 as it seals; after the fill the bench flushes and times the wait until the index covers every row and
 the query node holds only sealed segments with their index. Either way the queries are then timed once
-per --nprobe (IVF) or --ef (HNSW) value; --unfiltered adds a row per value with the big tenant's queries
-searched without the store's filter expression (tenant and model version), which tells the filter's cost
-from the index's. --nlist sets the IVF indexes' nlist (default: the store's). Each further index replaces
-the previous one by release, drop, build and load (build time measured likewise).
+per --nprobe (IVF) or --ef (HNSW) value; --unfiltered adds two rows per value with the big tenant's
+queries searched without the store's filter expression (tenant and model version) and with its tenant
+term alone, which tells the filter's cost from the index's. --nlist sets the IVF indexes' nlist (default:
+the store's). Each further index replaces the previous one by release, drop, build and load (build time
+measured likewise).
 Searches run one at a time, as the worker does, after 10 untimed warm-up queries. Memory: the RSS of
 the Milvus process at its peak during the fill (sampled between inserts) and once each index is loaded
 (the allocator may keep some of the previous index's pages: the first index's figure is the clean one),
@@ -94,6 +95,7 @@ from serve_app.stores.milvus_gallery import (
     LARGE_INDEXES,
     IndexPolicy,
     MilvusGalleryStore,
+    milvus_string,
 )
 
 DIM = FUSED_DIM  # face model v2
@@ -271,13 +273,23 @@ class Searcher(Protocol):
 
 class Unfiltered:
     """The store's search without its filter expression (tenant and model version): the whole collection,
-    every partition. What the filter costs, told apart from the index's own work (--unfiltered)."""
+    every partition; or (tenant_only) with the tenant term alone. What the filter costs, told apart from
+    the index's own work (--unfiltered)."""
 
-    def __init__(self, uri: str, collection: str, params: dict[str, int], consistency: str) -> None:
+    def __init__(
+        self,
+        uri: str,
+        collection: str,
+        params: dict[str, int],
+        consistency: str,
+        *,
+        tenant_only: bool = False,
+    ) -> None:
         from pymilvus import MilvusClient
 
         self._client = MilvusClient(uri=uri, timeout=600)
         self._collection, self._params, self._consistency = collection, params, consistency
+        self._tenant_only = tenant_only
 
     async def search(
         self, tenant_id: str, embedding: np.ndarray, limit: int, min_similarity: float
@@ -285,6 +297,7 @@ class Unfiltered:
         def search() -> list[Any]:
             result: list[Any] = self._client.search(
                 self._collection, data=[embedding.tolist()], limit=limit, output_fields=[],
+                filter=f"tenant_id == {milvus_string(tenant_id)}" if self._tenant_only else "",
                 search_params={"metric_type": "IP", "params": self._params},
                 consistency_level=self._consistency,
             )  # fmt: skip
@@ -495,11 +508,14 @@ async def bench_size(
                     rows.append(row(query.tenant, index, f"{key}={value}", timings, recall))
             finally:
                 await tuned.close()
-            if args.unfiltered:
-                unfiltered = Unfiltered(server.uri, store.collection, {key: value}, args.consistency)
+            for tenant_only in (False, True) if args.unfiltered else ():
+                unfiltered = Unfiltered(
+                    server.uri, store.collection, {key: value}, args.consistency, tenant_only=tenant_only
+                )
                 try:
                     timings, recall = await time_searches(unfiltered, queries[0], bars[BIG])
-                    rows.append(row(BIG, index, f"{key}={value}, no filter", timings, recall))
+                    label = "tenant term only" if tenant_only else "no filter"
+                    rows.append(row(BIG, index, f"{key}={value}, {label}", timings, recall))
                 finally:
                     unfiltered.close()
         if args.consistency != "Strong":  # what the service's default consistency adds
@@ -626,7 +642,8 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--unfiltered", action="store_true",
-        help="one more row per search value: the big tenant's queries without the store's filter expression",
+        help="two more rows per search value: the big tenant's queries without the store's filter "
+        "expression, and with its tenant term alone",
     )  # fmt: skip
     parser.add_argument(
         "--nlist", type=int, default=None, help="IVF build parameter (default: the store's, 1024)"
