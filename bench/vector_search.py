@@ -3,13 +3,17 @@
     python -m bench.vector_search [--backend lite|server] [--sizes 1000000 10000000] [--queries 200]
                                   [--indexes HNSW IVF_SQ8 IVF_FLAT] [--nprobe 16 32 64] [--ef 64 128]
                                   [--small-share 0.01] [--consistency Bounded] [--flat-max-rows N]
-                                  [--skip-flat] [--data-dir DIR] [--lock FILE]
+                                  [--skip-flat] [--switch-early] [--nlist N] [--unfiltered]
+                                  [--data-dir DIR] [--lock FILE]
 
 Backends: `lite` is milvus-lite 2.5.1 (the default install; its IVF_FLAT ignores nprobe and it has no
 HNSW); `server` is the standalone Milvus 2.3.5 of the `milvus` wheel (a dev dependency), started in a
 network namespace of its own (tests/milvus_server.py; needs root), where HNSW, IVF_SQ8, nprobe and the
 tenant partition key are real. On the server the rows are searched at --consistency (default Bounded;
 the service's default Strong waits for a time tick, ~200 ms a search: one extra row per index shows it).
+The server runs with a few settings of its own (SERVER_SETTINGS: garbage collection within minutes, a
+bounded message log, segments sealed at 90 % of their size so each is indexed once), which a 10 M fill
+needs on one disk and two cores.
 
 Data: 256-d unit vectors (face model v2's dimension) from a fixed seed, shaped like the service's own
 embeddings. Every chunk of 10,000 rows is 2,000 people with 5 photos each; a photo is
@@ -45,12 +49,20 @@ same-person pairs do at a 1 M gallery).
 Inserts go through MilvusGalleryStore (the service's code path) under exact FLAT search; unless
 --skip-flat the queries are timed on it. Then a store with an index policy naming the first of --indexes
 opens the collection, finds it past --flat-max-rows and switches it (flush, release, drop, build, load),
-as the insert crossing the threshold would; the queries are timed once per --nprobe (IVF) or --ef (HNSW)
-value. Each further index replaces the previous one the same way (build time measured likewise).
+as the insert crossing the threshold would. A switch at the end of a 10 M fill would hold every float and
+the build at once (beyond 24 GiB): with --switch-early the inserting store itself carries that policy and
+switches when an insert crosses --flat-max-rows, as the service does, so the server indexes each segment
+as it seals; after the fill the bench flushes and times the wait until the index covers every row and
+the query node holds only sealed segments with their index. Either way the queries are then timed once
+per --nprobe (IVF) or --ef (HNSW) value; --unfiltered adds two rows per value with the big tenant's
+queries searched without the store's filter expression (tenant and model version) and with its tenant
+term alone, which tells the filter's cost from the index's. --nlist sets the IVF indexes' nlist (default:
+the store's). Each further index replaces the previous one by release, drop, build and load (build time
+measured likewise).
 Searches run one at a time, as the worker does, after 10 untimed warm-up queries. Memory: the RSS of
-the Milvus process once each index is loaded (the allocator may keep some of the previous index's
-pages: the first index's figure is the clean one) and the size of its data directory. One server per
-size. Cores may be shared: compare rows of one run.
+the Milvus process at its peak during the fill (sampled between inserts) and once each index is loaded
+(the allocator may keep some of the previous index's pages: the first index's figure is the clean one),
+and the size of its data directory. One server per size. Cores may be shared: compare rows of one run.
 """
 
 from __future__ import annotations
@@ -68,14 +80,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from bench.common import format_table
 from models.calibration import FaceScoreCalibration
 from models.embedder import FUSED_DIM
-from serve_app.domain.faces import GalleryEntry
+from serve_app.domain.faces import GalleryEntry, GalleryMatch
 from serve_app.launch.embedded import EmbeddedMilvus
 from serve_app.settings import MilvusSettings
 from serve_app.stores.milvus_gallery import (
@@ -83,6 +95,7 @@ from serve_app.stores.milvus_gallery import (
     LARGE_INDEXES,
     IndexPolicy,
     MilvusGalleryStore,
+    milvus_string,
 )
 
 DIM = FUSED_DIM  # face model v2
@@ -164,22 +177,79 @@ def make_queries(tenant: str, chunks: list[int], chunk: int, count: int) -> Quer
     return Queries(tenant, probes, np.full((count, K), -np.inf, np.float32), np.zeros((count, K), np.int64))
 
 
-async def fill(store: MilvusGalleryStore, size: int, chunk: int, queries: list[Queries]) -> float:
-    """Insert `size` rows; returns rows per second."""
+@dataclass
+class Fill:
+    rate: float  # rows per second, the whole fill (a switch during it included)
+    switch: tuple[int, float] | None  # (rows, seconds) of the insert that switched the index, if one did
+    peak_rss_mib: float  # the server's largest RSS seen between chunks
+
+
+async def fill(
+    store: MilvusGalleryStore, size: int, chunk: int, queries: list[Queries], server: Server
+) -> Fill:
+    """Insert `size` rows, a chunk per call of store.add (which switches the index when its policy says)."""
     started = time.perf_counter()
     now = time.time()
+    switch: tuple[int, float] | None = None
+    peak = 0.0
     for index in range(size // chunk):
         tenant, vectors = chunk_tenant(index), chunk_vectors(index, chunk)
         first = index * chunk
+        before, added = store.index_type, time.perf_counter()
         await store.add(
             [GalleryEntry(f"f{first + i}", tenant, "bench", vectors[i], now) for i in range(chunk)]
         )
+        if store.index_type != before and switch is None:
+            switch = (first + chunk, time.perf_counter() - added)
+            print(
+                f"  switched to {store.index_type} at {first + chunk:,} rows in {switch[1]:.0f} s", flush=True
+            )
         for query in queries:
             if query.tenant == tenant:
                 query.update(first, vectors)
+        peak = max(peak, rss_mib(server.pid))
         if index % 50 == 49:
-            print(f"  inserted {first + chunk:,} rows", flush=True)
-    return size / (time.perf_counter() - started)
+            print(f"  inserted {first + chunk:,} rows ({time.perf_counter() - started:.0f} s); "
+                  f"{machine_state(server)}", flush=True)  # fmt: skip
+    return Fill(size / (time.perf_counter() - started), switch, peak)
+
+
+def machine_state(server: Server) -> str:
+    """The server's RSS and data directory, and the machine's available memory and load (for the log)."""
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    available_gib = int(meminfo["MemAvailable"].split()[0]) / 2**20
+    return (f"server RSS {rss_mib(server.pid):,.0f} MiB, data dir {dir_mib(server.data_dir) / 1024:,.1f} "
+            f"GiB, available {available_gib:.1f} GiB, load {os.getloadavg()[0]:.1f}")  # fmt: skip
+
+
+def wait_indexed(uri: str, collection: str, server: Server) -> str:
+    """Flush, then wait until the index covers every row and the query node serves only indexed sealed
+    segments (a server indexes sealed segments in the background; growing ones are searched by brute
+    force). Returns what the query node holds then."""
+    from pymilvus import MilvusClient
+
+    client = MilvusClient(uri=uri, timeout=3600)
+    try:
+        client.flush(collection, timeout=3600)
+        last_print = 0.0
+        while True:
+            index = client.describe_index(collection, "embedding")
+            segments = client.list_loaded_segments(collection)
+            loaded = sum(segment.num_rows for segment in segments)
+            unindexed = sum(segment.index_id == 0 or segment.state_name != "Sealed" for segment in segments)
+            total, indexed = int(index["total_rows"]), int(index["indexed_rows"])
+            done = indexed >= total and not index["pending_index_rows"] and loaded >= total and not unindexed
+            if done or time.monotonic() - last_print > 60:
+                last_print = time.monotonic()
+                print(f"  index {index['state']}: {indexed:,} of {total:,} rows indexed; query node: "
+                      f"{len(segments)} segments, {loaded:,} rows, {unindexed} not (yet) indexed; "
+                      f"{machine_state(server)}", flush=True)  # fmt: skip
+            if done:
+                sizes = sorted(segment.num_rows for segment in segments)
+                return f"{len(segments)} sealed segments of {sizes[0]:,} to {sizes[-1]:,} rows"
+            time.sleep(10)
+    finally:
+        client.close()
 
 
 def match_bar(tenant_rows: int) -> float:
@@ -195,9 +265,52 @@ class Recall:
     matches_per_query: float  # mean number of exact matches per query
 
 
-async def time_searches(
-    store: MilvusGalleryStore, queries: Queries, bar: float
-) -> tuple[list[float], Recall]:
+class Searcher(Protocol):
+    async def search(
+        self, tenant_id: str, embedding: np.ndarray, limit: int, min_similarity: float
+    ) -> list[GalleryMatch]: ...
+
+
+class Unfiltered:
+    """The store's search without its filter expression (tenant and model version): the whole collection,
+    every partition; or (tenant_only) with the tenant term alone. What the filter costs, told apart from
+    the index's own work (--unfiltered)."""
+
+    def __init__(
+        self,
+        uri: str,
+        collection: str,
+        params: dict[str, int],
+        consistency: str,
+        *,
+        tenant_only: bool = False,
+    ) -> None:
+        from pymilvus import MilvusClient
+
+        self._client = MilvusClient(uri=uri, timeout=600)
+        self._collection, self._params, self._consistency = collection, params, consistency
+        self._tenant_only = tenant_only
+
+    async def search(
+        self, tenant_id: str, embedding: np.ndarray, limit: int, min_similarity: float
+    ) -> list[GalleryMatch]:
+        def search() -> list[Any]:
+            result: list[Any] = self._client.search(
+                self._collection, data=[embedding.tolist()], limit=limit, output_fields=[],
+                filter=f"tenant_id == {milvus_string(tenant_id)}" if self._tenant_only else "",
+                search_params={"metric_type": "IP", "params": self._params},
+                consistency_level=self._consistency,
+            )  # fmt: skip
+            return list(result[0]) if result else []
+
+        hits = await asyncio.to_thread(search)
+        return [GalleryMatch(str(hit["id"]), float(hit["distance"])) for hit in hits]
+
+    def close(self) -> None:
+        self._client.close()
+
+
+async def time_searches(store: Searcher, queries: Queries, bar: float) -> tuple[list[float], Recall]:
     """Latencies (ms, warm-up excluded) and recalls (Recall) of the queries, one search at a time."""
     timings: list[float] = []
     hits = found_matches = matches_total = 0
@@ -232,7 +345,12 @@ def rss_mib(pid: int | None) -> float:
 
 
 def dir_mib(path: Path) -> float:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
+    total = 0
+    for file in path.rglob("*"):
+        with contextlib.suppress(OSError):  # the server may remove a file meanwhile
+            if file.is_file() and not file.is_symlink():
+                total += file.stat().st_size
+    return total / 2**20
 
 
 @dataclass
@@ -241,6 +359,21 @@ class Server:
     pid: int | None
     data_dir: Path
     name: str
+
+
+# The server's settings that differ from the wheel's. Bounds on its disk (its defaults suit a service, not
+# a 10 M fill on one disk): files of compacted-away segments and dropped indexes go after a minute rather
+# than 3 h, and the message log (rocksmq, the write-ahead log) keeps at most 2 GiB / 30 min.
+SERVER_SETTINGS: dict[str, str | int | float] = {
+    "dataCoord.gc.interval": 60,
+    "dataCoord.gc.dropTolerance": 60,
+    "rocksmq.retentionSizeInMB": 2048,
+    "rocksmq.retentionTimeInMinutes": 30,
+    "rocksmq.compactionInterval": 600,
+    # Segments seal at 90 % of their 512 MB rather than 23 %: each is indexed once at its full size,
+    # instead of once small and again when compaction merges the small ones (a k-means per build).
+    "dataCoord.segment.sealProportion": 0.9,
+}
 
 
 @contextlib.contextmanager
@@ -263,7 +396,7 @@ def milvus(backend: str, scratch: Path) -> Iterator[Server]:
     tag = os.getpid() % 250
     link = netns.Link(None, f"fsbv{os.getpid() % 100000}", f"10.252.{tag}.1", f"10.252.{tag}.2", prefix=30)
     link.create()
-    server = MilvusServerProcess(scratch, 19530, host=link.address_b, netns=link.b)
+    server = MilvusServerProcess(scratch, 19530, host=link.address_b, netns=link.b, settings=SERVER_SETTINGS)
     try:
         server.start()
         yield Server(server.uri, server.binary_pid, scratch, "Milvus 2.3.5 standalone (milvus wheel)")
@@ -343,9 +476,16 @@ async def bench_size(
         "collection": collection, "model_version": "bench", "dimension": DIM, "timeout_s": 600,
         "consistency_level": args.consistency,
     }  # fmt: skip
-    # Filled under exact search: the switch to the large index is made once, at the end, as the
-    # policy would when the next insert crosses the threshold.
-    store = MilvusGalleryStore(server.uri, **common)
+    build_params = {"nlist": args.nlist} if args.nlist else {}
+
+    def policy_for(index: str) -> IndexPolicy:
+        return IndexPolicy(min(args.flat_max_rows, size - 1), index, build_params=build_params)
+
+    # Filled under exact search and switched once at the end, or (--switch-early) switched by the insert
+    # that crosses --flat-max-rows, as the service's store does.
+    store = MilvusGalleryStore(
+        server.uri, index_policy=policy_for(args.indexes[0]) if args.switch_early else None, **common
+    )
     rows: list[list[str]] = []
     loads: list[float] = []
 
@@ -368,6 +508,16 @@ async def bench_size(
                     rows.append(row(query.tenant, index, f"{key}={value}", timings, recall))
             finally:
                 await tuned.close()
+            for tenant_only in (False, True) if args.unfiltered else ():
+                unfiltered = Unfiltered(
+                    server.uri, store.collection, {key: value}, args.consistency, tenant_only=tenant_only
+                )
+                try:
+                    timings, recall = await time_searches(unfiltered, queries[0], bars[BIG])
+                    label = "tenant term only" if tenant_only else "no filter"
+                    rows.append(row(BIG, index, f"{key}={value}, {label}", timings, recall))
+                finally:
+                    unfiltered.close()
         if args.consistency != "Strong":  # what the service's default consistency adds
             strong = MilvusGalleryStore(
                 server.uri, index_policy=dataclasses.replace(policy, search_params={key: values[0]}),
@@ -383,31 +533,46 @@ async def bench_size(
                 await strong.close()
 
     try:
-        insert_rate = await fill(store, size, chunk, queries)
+        filled = await fill(store, size, chunk, queries, server)
+        insert_rate = filled.rate
         print(f"  {size:,} rows at {insert_rate:,.0f} rows/s", flush=True)
-        if not args.skip_flat:
+        notes.append(f"insert {insert_rate:,.0f} rows/s, server RSS peak {filled.peak_rss_mib:,.0f} MiB")
+        if filled.switch is not None:
+            rows_at, seconds = filled.switch
+            notes.append(f"{store.index_type}: switch at {rows_at:,} rows {seconds:.0f} s")
+        if args.switch_early:
+            started = time.perf_counter()
+            held = await asyncio.to_thread(wait_indexed, server.uri, store.collection, server)
+            waited = time.perf_counter() - started
+            notes.append(f"{store.index_type}: flush and index wait after the fill {waited:.0f} s ({held}), "
+                         f"RSS {rss_mib(server.pid):,.0f} MiB loaded")  # fmt: skip
+            print(f"  {notes[-1]}", flush=True)
+        elif not args.skip_flat:
             with timed():
                 for query in queries:
                     timings, recall = await time_searches(store, query, bars[query.tenant])
                     rows.append(row(query.tenant, "FLAT", "-", timings, recall))
-        notes.append(f"insert {insert_rate:,.0f} rows/s; RSS {rss_mib(server.pid):,.0f} MiB with FLAT")
+            notes.append(f"RSS {rss_mib(server.pid):,.0f} MiB with FLAT")
     finally:
         await store.close()
 
     for position, index in enumerate(args.indexes):
-        policy = IndexPolicy(flat_max_rows=min(args.flat_max_rows, size - 1), large_index=index)
+        policy = policy_for(index)
         started = time.perf_counter()
-        if position == 0:
+        if position == 0 and args.switch_early:
+            assert store.index_type == index, store.index_type
+        elif position == 0:
             switched = MilvusGalleryStore(server.uri, index_policy=policy, **common)
             await switched.ensure_ready()  # finds the collection past its threshold and switches it
             assert switched.index_type == index, switched.index_type
             await switched.close()
         else:
-            build = {"HNSW": {"M": 16, "efConstruction": 200}}.get(index, {"nlist": 1024})
+            build = {"HNSW": {"M": 16, "efConstruction": 200}}.get(index, {"nlist": args.nlist or 1024})
             await asyncio.to_thread(rebuild, server.uri, store.collection, index, build)
-        build_s = time.perf_counter() - started
-        notes.append(f"{index}: build+load {build_s:.0f} s, RSS {rss_mib(server.pid):,.0f} MiB loaded")
-        print(f"  {notes[-1]}", flush=True)
+        if not (position == 0 and args.switch_early):
+            build_s = time.perf_counter() - started
+            notes.append(f"{index}: build+load {build_s:.0f} s, RSS {rss_mib(server.pid):,.0f} MiB loaded")
+            print(f"  {notes[-1]}", flush=True)
         key, values = ("ef", args.ef) if index == "HNSW" else ("nprobe", args.nprobe)
         with timed():
             await time_index(index, policy, key, values)
@@ -470,6 +635,19 @@ def main() -> None:
     parser.add_argument("--flat-max-rows", type=int, default=MilvusSettings().flat_max_rows)
     parser.add_argument("--nprobe", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--skip-flat", action="store_true", help="skip the exact-search timings")
+    parser.add_argument(
+        "--switch-early", action="store_true",
+        help="the inserting store switches to the first of --indexes at --flat-max-rows (as the service "
+        "does), so the server indexes segments as they seal; the wait for the rest is timed after the fill",
+    )  # fmt: skip
+    parser.add_argument(
+        "--unfiltered", action="store_true",
+        help="two more rows per search value: the big tenant's queries without the store's filter "
+        "expression, and with its tenant term alone",
+    )  # fmt: skip
+    parser.add_argument(
+        "--nlist", type=int, default=None, help="IVF build parameter (default: the store's, 1024)"
+    )
     parser.add_argument("--data-dir", type=Path, default=None, help="where the servers keep their data")
     parser.add_argument(
         "--lock", type=Path, default=None,
@@ -483,6 +661,8 @@ def main() -> None:
     server = args.backend == "server"
     args.indexes = args.indexes or (["HNSW", "IVF_SQ8"] if server else ["IVF_FLAT"])
     args.consistency = args.consistency or ("Bounded" if server else "Strong")
+    if args.switch_early and args.skip_flat is False:
+        parser.error("--switch-early times no exact search: add --skip-flat")
     if any(size % min(CHUNK, size // SMALL_EVERY) or size < 100 * SMALL_EVERY for size in args.sizes):
         parser.error(f"sizes must be multiples of {CHUNK} (or of the small share of the size)")
     asyncio.run(main_async(args))

@@ -11,6 +11,9 @@ started by the wheel's own launcher with every role pinned to one address.
   reachable from elsewhere in the root namespace only on a machine without other interfaces, or in a
   namespace of its own.
 - One server per network namespace: its embedded etcd's peer port is fixed.
+- `settings` overrides keys of milvus.yaml that the wheel's template does not expose (e.g.
+  `dataCoord.gc.dropTolerance`), through the environment: Milvus reads a variable named like the key
+  (case, dots and underscores ignored) over its config file.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
 
@@ -37,12 +41,19 @@ class MilvusServerProcess:
     """A Milvus server for the duration of a test (a context manager)."""
 
     def __init__(
-        self, data_dir: Path, port: int, *, host: str = "127.0.0.1", netns: str | None = None
+        self,
+        data_dir: Path,
+        port: int,
+        *,
+        host: str = "127.0.0.1",
+        netns: str | None = None,
+        settings: Mapping[str, str | int | float] | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.port = port
         self.host = host
         self.netns = netns
+        self.settings = dict(settings or {})
         self._process: subprocess.Popen[str] | None = None
         self.binary_pid: int | None = None
 
@@ -57,9 +68,11 @@ class MilvusServerProcess:
         if self.netns:
             command = ["ip", "netns", "exec", self.netns, *command]
         log = (self.data_dir / "launcher.log").open("w")
+        env = {**os.environ, **{key.replace(".", "_").upper(): str(v) for key, v in self.settings.items()}}
         self._process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=log, text=True, cwd=Path(__file__).resolve().parent.parent
-        )
+            command, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
+            cwd=Path(__file__).resolve().parent.parent,
+        )  # fmt: skip
         assert self._process.stdout is not None
         line = self._process.stdout.readline()  # "ready <binary pid>" or EOF on failure
         if not line.startswith("ready "):
