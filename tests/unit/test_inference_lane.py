@@ -39,7 +39,7 @@ def test_calls_run_at_most_runs_at_a_time_while_the_event_loop_stays_free(runs: 
         # Every place of the lane taken (a lane that gives fewer places is caught by the count below once the
         # deadline passes; one that gives more, by most_at_once). The loop polls, so it stays free meanwhile.
         deadline = time.monotonic() + 30
-        while entered < runs and time.monotonic() < deadline:
+        while entered < runs and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.001)
         await asyncio.sleep(0.05)  # a lane with one place too many would let another call in now
         released_by_the_loop.set()  # the loop runs this while the first calls hold the lane
