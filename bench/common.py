@@ -10,8 +10,6 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps
 
-from serve_app.launch.embedded import EmbeddedRedis
-
 
 def load_image(path: Path) -> np.ndarray:
     """uint8 pixels with EXIF orientation applied; grayscale and RGBA stay as they are (the analyzer
@@ -35,6 +33,9 @@ def format_table(header: list[str], rows: list[list[str]]) -> str:
 @contextmanager
 def scratch_redis() -> Iterator[str]:
     """A redis-server of the project's own (127.0.0.1) in a temporary directory for one benchmark; its URL."""
+    # Imported here: the model-only benchmarks (bench.gpu) run where the service's packages are not installed.
+    from serve_app.launch.embedded import EmbeddedRedis
+
     with tempfile.TemporaryDirectory(prefix="facesearch-bench-redis-") as directory:
         server = EmbeddedRedis(Path(directory) / "redis")
         server.start()

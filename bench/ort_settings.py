@@ -39,8 +39,8 @@ class VariantConfig(ModelConfig):
 
     overrides: tuple[tuple[str, Any], ...] = ()
 
-    def session_options(self) -> SessionOptions:
-        return dataclasses.replace(super().session_options(), **dict(self.overrides))
+    def session_options(self, gpu_run_size: int = 0) -> SessionOptions:
+        return dataclasses.replace(super().session_options(gpu_run_size), **dict(self.overrides))
 
 
 def main() -> None:

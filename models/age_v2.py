@@ -26,7 +26,7 @@ import onnxruntime as ort
 
 from models.arrays import flatten_views
 from models.errors import ModelFormatError
-from models.sessions import SessionOptions, create_session
+from models.sessions import SessionOptions, create_session, fixed_run_size, run_padded
 from models.types import AgeEstimate
 
 WEIGHT_NAME = "faceres_deep"
@@ -172,7 +172,10 @@ class FaceresAgeEstimator:
         except Exception as error:
             raise ModelFormatError(f"cannot load the age model {model_path}: {error}") from error
         self._check_signature(self._session, model_path)
-        self._session.run(None, {INPUT_NAME: np.zeros((1, INPUT_SIZE, INPUT_SIZE, 3), dtype=np.float32)})
+        self._run_size = fixed_run_size(self._session, options)
+        # Warm-up at the size every run will have (on a GPU, cuDNN sets up per shape; see SessionOptions).
+        warmup = np.zeros((1, INPUT_SIZE, INPUT_SIZE, 3), dtype=np.float32)
+        run_padded(self._session, [OUTPUT_NAME], INPUT_NAME, warmup, self._run_size)
 
     @staticmethod
     def _check_signature(session: ort.InferenceSession, model_path: Path) -> None:
@@ -195,7 +198,7 @@ class FaceresAgeEstimator:
         if faces == 0:
             return np.zeros((0, _CLASSES), dtype=np.float64)
         tensor = flat[..., ::-1].astype(np.float32) - _CAFFE_MEANS_BGR  # RGB -> BGR, Caffe means
-        (output,) = self._session.run([OUTPUT_NAME], {INPUT_NAME: tensor})
+        (output,) = run_padded(self._session, [OUTPUT_NAME], INPUT_NAME, tensor, self._run_size)
         probabilities: np.ndarray = (
             np.asarray(output, dtype=np.float64).reshape(faces, count, _CLASSES).mean(axis=1)
         )
@@ -203,6 +206,11 @@ class FaceresAgeEstimator:
         if not np.all(np.isfinite(sums)) or np.abs(sums - 1.0).max() > _PROBABILITY_SUM_TOLERANCE:
             raise ModelFormatError(f"age network returned rows that are not distributions (sums {sums})")
         return probabilities
+
+    @property
+    def providers(self) -> list[str]:
+        """The providers this session was built with, in priority order (which nodes each runs: bench.gpu)."""
+        return list(self._session.get_providers())
 
     def estimate(self, views: np.ndarray) -> list[AgeEstimate]:
         return [self.from_probabilities(row) for row in self.probabilities(views)]

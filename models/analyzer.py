@@ -68,6 +68,12 @@ class ModelConfig:
     # start-up fails without it unless allow_cpu_fallback is true.
     provider_preference: tuple[str, ...] | None = None
     allow_cpu_fallback: bool = False
+    cuda_conv_algo_search: Literal["exhaustive", "heuristic", "default"] = "exhaustive"  # see SessionOptions
+    # Rows per run on a GPU (SessionOptions.gpu_run_size): images for the detector, faces for the others.
+    # Sized to the service's usual batches: measured on an H200 (bench/gpu.py), a run of 16 faces costs the
+    # age model 14 ms against 71 ms for 64, and padding 8 images to 64 made detection 5x dearer per image.
+    gpu_image_run_size: int = 8
+    gpu_face_run_size: int = 16
     detector: DetectorOptions = field(default_factory=DetectorOptions)
     # None: the bands calibrated on faces-calib (models/age_calibration.json); a mapping overrides them.
     age_bands: AgeBands | None = None
@@ -91,13 +97,15 @@ class ModelConfig:
             values["age_bands"] = AgeBands(**values["age_bands"])
         return cls(**values)
 
-    def session_options(self) -> SessionOptions:
+    def session_options(self, gpu_run_size: int = 0) -> SessionOptions:
         return SessionOptions(
             intra_op_threads=self.intra_op_threads,
             inter_op_threads=self.inter_op_threads,
             provider_preference=self.provider_preference or DEFAULT_PROVIDER_PREFERENCE,
             allow_spinning=self.allow_spinning,
             if_preferred_missing=self._if_preferred_missing(),
+            cuda_conv_algo_search=self.cuda_conv_algo_search,
+            gpu_run_size=gpu_run_size,
         )
 
     def _if_preferred_missing(self) -> Literal["fallback", "warn", "fail"]:
@@ -108,14 +116,15 @@ class ModelConfig:
     # Each loader verifies its weight files by sha256 (WeightFileError names the file and the fix); the
     # converted ones are built beforehand by `facesearch models fetch`, never here.
     def load_detector(self) -> FaceDetector:
-        return FaceDetector(resolve("yunet_2023mar_int8bq"), self.detector, self.session_options())
+        options = self.session_options(self.gpu_image_run_size)
+        return FaceDetector(resolve("yunet_2023mar_int8bq"), self.detector, options)
 
     def load_cropper(self) -> FaceCropper:
         return FaceCropper(FaceAligner(resolve("dlib_shape5")))
 
     def load_embedder(self) -> FusedEmbedder:
         """Face model v2: dlib ResNet and SFace, fused into one vector with the calibrated weights."""
-        options = self.session_options()
+        options = self.session_options(self.gpu_face_run_size)
         return FusedEmbedder(
             FaceEmbedder(converted("dlib_resnet_v1", self.models_dir), options),
             SFaceEmbedder(converted("sface_2021dec_int8bq", self.models_dir), options),
@@ -128,7 +137,7 @@ class ModelConfig:
         if self.age_bands is not None:
             calibration = dataclasses.replace(calibration, bands=self.age_bands)
         model = converted("faceres_deep", self.models_dir)
-        return FaceresAgeEstimator(model, self.session_options(), calibration)
+        return FaceresAgeEstimator(model, self.session_options(self.gpu_face_run_size), calibration)
 
     def letterboxer(self) -> Callable[[np.ndarray], LetterboxedImage]:
         """The detector's image preparation, for a process that sends letterboxed images to a detector

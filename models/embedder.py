@@ -15,7 +15,7 @@ import numpy as np
 from models.calibration import FaceScoreCalibration
 from models.chips import CHIP_SIZE as SFACE_CHIP_SIZE
 from models.errors import ModelFormatError
-from models.sessions import SessionOptions, create_session
+from models.sessions import SessionOptions, create_session, fixed_run_size, run_padded
 
 # The served face model's version and vector size live in models.types (no model library behind them), so
 # the ingress can name the gallery's collection without loading the models; re-exported here.
@@ -42,6 +42,11 @@ class FaceEmbedder:
     def __init__(self, model_path: Path, options: SessionOptions) -> None:
         warmup = {INPUT_NAME: np.zeros((_WARMUP_BATCH, *CHIP_SHAPE), dtype=np.uint8)}
         self._session = create_session(model_path, options, warmup_feed=warmup)
+        self._run_size = fixed_run_size(self._session, options)
+        if (
+            self._run_size
+        ):  # cuDNN sets up for the one shape every run will have, now rather than on a request
+            run_padded(self._session, [OUTPUT_NAME], INPUT_NAME, warmup[INPUT_NAME], self._run_size)
         inputs = [node.name for node in self._session.get_inputs()]
         outputs = [node.name for node in self._session.get_outputs()]
         if inputs != [INPUT_NAME] or outputs != [OUTPUT_NAME]:
@@ -50,6 +55,11 @@ class FaceEmbedder:
                 f"{inputs} -> {outputs}; regenerate it with `facesearch models fetch`"
             )
         self.model_path = model_path
+
+    @property
+    def providers(self) -> list[str]:
+        """The providers this session was built with, in priority order (which nodes each runs: bench.gpu)."""
+        return list(self._session.get_providers())
 
     def embed(self, chips: np.ndarray) -> np.ndarray:
         """[N,150,150,3] uint8 RGB chips -> float32 [N,128] descriptors (N may be 0)."""
@@ -60,7 +70,9 @@ class FaceEmbedder:
         if chips.shape[0] == 0:
             # ONNX Runtime handles empty batches inconsistently across kernels; answer it here.
             return np.zeros((0, DESCRIPTOR_DIM), dtype=np.float32)
-        (descriptors,) = self._session.run([OUTPUT_NAME], {INPUT_NAME: np.ascontiguousarray(chips)})
+        (descriptors,) = run_padded(
+            self._session, [OUTPUT_NAME], INPUT_NAME, np.ascontiguousarray(chips), self._run_size
+        )
         return np.asarray(descriptors, dtype=np.float32)
 
 
@@ -71,6 +83,9 @@ class SFaceEmbedder:
     def __init__(self, model_path: Path, options: SessionOptions) -> None:
         warmup = {SFACE_INPUT: np.zeros((_WARMUP_BATCH, *SFACE_CHIP_SHAPE), dtype=np.uint8)}
         self._session = create_session(model_path, options, warmup_feed=warmup)
+        self._run_size = fixed_run_size(self._session, options)
+        if self._run_size:
+            run_padded(self._session, [SFACE_OUTPUT], SFACE_INPUT, warmup[SFACE_INPUT], self._run_size)
         inputs = [node.name for node in self._session.get_inputs()]
         outputs = [node.name for node in self._session.get_outputs()]
         if inputs != [SFACE_INPUT] or outputs != [SFACE_OUTPUT]:
@@ -79,6 +94,11 @@ class SFaceEmbedder:
                 f"{inputs} -> {outputs}; regenerate it with `facesearch models fetch`"
             )
         self.model_path = model_path
+
+    @property
+    def providers(self) -> list[str]:
+        """The providers this session was built with, in priority order (which nodes each runs: bench.gpu)."""
+        return list(self._session.get_providers())
 
     def embed(self, chips: np.ndarray) -> np.ndarray:
         """[N,112,112,3] uint8 RGB chips -> float32 [N,128] unit vectors (N may be 0)."""
@@ -89,7 +109,9 @@ class SFaceEmbedder:
             )
         if chips.shape[0] == 0:
             return np.zeros((0, SFACE_DIM), dtype=np.float32)
-        (raw,) = self._session.run([SFACE_OUTPUT], {SFACE_INPUT: np.ascontiguousarray(chips)})
+        (raw,) = run_padded(
+            self._session, [SFACE_OUTPUT], SFACE_INPUT, np.ascontiguousarray(chips), self._run_size
+        )
         return unit_rows(np.asarray(raw, dtype=np.float32))
 
 

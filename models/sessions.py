@@ -41,6 +41,16 @@ class SessionOptions:
     # (the default preference is opportunistic), "warn" does so with a warning, "fail" raises
     # ProviderUnavailable. A config that asks for CUDA uses "fail", so it never runs on CPU unnoticed.
     if_preferred_missing: Literal["fallback", "warn", "fail"] = "fallback"
+    # How the CUDA provider picks each convolution's cuDNN algorithm for a new input shape: "exhaustive"
+    # times every candidate (ONNX Runtime's default), "heuristic" asks cuDNN's heuristics, "default" takes
+    # cuDNN's default algorithm. Ignored on CPU.
+    cuda_conv_algo_search: Literal["exhaustive", "heuristic", "default"] = "exhaustive"
+    # On an accelerator, every run of the session has exactly this many rows: smaller batches are padded,
+    # larger ones split. ONNX Runtime's CUDA convolutions set cuDNN up again whenever a convolution's input
+    # shape differs from its last one, which costs far more than the run (bench/gpu.py: the pipeline fell
+    # below the CPU's speed), and the service's batches vary with the traffic. 0: every batch runs at its
+    # own size, as it always does on a CPU, where padding would only cost.
+    gpu_run_size: int = 0
 
 
 _OPTIMIZATION_LEVELS = {
@@ -80,7 +90,9 @@ def create_session(
     if options.if_preferred_missing == "fail" and preferred not in providers:
         raise ProviderUnavailable(_missing_provider(preferred, ort.get_available_providers()))
     source = str(model) if isinstance(model, Path) else model
-    session = ort.InferenceSession(source, sess_options=session_options, providers=providers)
+    session = ort.InferenceSession(
+        source, sess_options=session_options, providers=_with_provider_options(providers, options)
+    )
     # onnxruntime-gpu lists CUDA as available even when the CUDA libraries or the GPU are missing, and then
     # quietly builds a CPU session: what counts is what the session runs on.
     if preferred is not None and preferred not in session.get_providers():
@@ -98,9 +110,42 @@ def create_session(
     return session
 
 
+def _with_provider_options(
+    providers: Sequence[str], options: SessionOptions
+) -> list[str | tuple[str, dict[str, str]]]:
+    cuda = {"cudnn_conv_algo_search": options.cuda_conv_algo_search.upper()}
+    return [(name, cuda) if name == "CUDAExecutionProvider" else name for name in providers]
+
+
 def _missing_provider(required: str | None, offered: Sequence[str]) -> str:
     return (
         f"the model config asks for {required}, but only {list(offered)} can run here (for CUDA: "
         "onnxruntime-gpu installed, CUDA/cuDNN libraries found, a GPU visible to this process). "
         "Set model_config.allow_cpu_fallback: true to run on CPU instead."
     )
+
+
+def fixed_run_size(session: ort.InferenceSession, options: SessionOptions) -> int:
+    """The rows of every run_padded run of this session: 0 (any) on a CPU."""
+    on_cpu = session.get_providers()[0] == "CPUExecutionProvider"
+    return 0 if on_cpu else options.gpu_run_size
+
+
+def run_padded(
+    session: ort.InferenceSession,
+    output_names: Sequence[str],
+    input_name: str,
+    batch: np.ndarray,
+    run_size: int,
+) -> list[np.ndarray]:
+    """session.run on a batch along axis 0; with run_size > 0, in runs of exactly run_size rows (zero-padded,
+    the padding's outputs dropped). Every output must be batched along axis 0 too."""
+    if run_size <= 0 or len(batch) == 0:
+        return list(session.run(list(output_names), {input_name: batch}))
+    runs: list[list[np.ndarray]] = []
+    for start in range(0, len(batch), run_size):
+        rows = batch[start : start + run_size]
+        padding = np.zeros((run_size - len(rows), *rows.shape[1:]), dtype=rows.dtype)
+        outputs = session.run(list(output_names), {input_name: np.concatenate([rows, padding])})
+        runs.append([output[: len(rows)] for output in outputs])
+    return [np.concatenate(parts) for parts in zip(*runs, strict=True)]

@@ -15,7 +15,7 @@ from onnx import TensorProto, helper
 
 from models.analyzer import ModelConfig
 from models.errors import ProviderUnavailable
-from models.sessions import SessionOptions, choose_providers, create_session
+from models.sessions import SessionOptions, choose_providers, create_session, fixed_run_size, run_padded
 
 
 def doubling_model() -> bytes:
@@ -141,3 +141,69 @@ def test_cpu_config_and_default_preference_are_unaffected(caplog: pytest.LogCapt
             session = create_session(doubling_model(), config.session_options())
         assert session.get_providers() == ["CPUExecutionProvider"]
     assert not [record for record in caplog.records if record.levelno >= logging.WARNING]
+
+
+class RecordingSession:
+    """A real CPU session that records the batch size of every run (what a GPU session would be given)."""
+
+    def __init__(self) -> None:
+        self.session = create_session(doubling_model(), SessionOptions())
+        self.rows: list[int] = []
+
+    def get_providers(self) -> list[str]:
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+    def run(self, output_names: list[str], feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+        self.rows.append(len(feed["x"]))
+        return list(self.session.run(output_names, feed))
+
+
+@pytest.mark.parametrize(("rows", "runs"), [(1, 1), (4, 1), (5, 2), (9, 3)])
+def test_run_padded_gives_every_run_exactly_the_run_size_and_drops_the_padding(rows: int, runs: int) -> None:
+    session = RecordingSession()
+    batch = np.arange(rows * 3, dtype=np.float32).reshape(rows, 3) + 1
+    (doubled,) = run_padded(session, ["y"], "x", batch, 4)
+    assert np.array_equal(doubled, batch * 2)
+    assert session.rows == [4] * runs
+
+
+def test_run_size_zero_runs_the_batch_as_it_comes() -> None:
+    session = RecordingSession()
+    batch = np.ones((7, 3), dtype=np.float32)
+    (doubled,) = run_padded(session, ["y"], "x", batch, 0)
+    assert np.array_equal(doubled, batch * 2) and session.rows == [7]
+
+
+def test_only_an_accelerator_session_pads() -> None:
+    options = SessionOptions(gpu_run_size=16)
+    assert fixed_run_size(create_session(doubling_model(), options), options) == 0
+    assert fixed_run_size(RecordingSession(), options) == 16
+
+
+def test_cuda_gets_the_configured_convolution_search(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    )
+    asked: list[Any] = []
+    real_session = ort.InferenceSession
+
+    def recording_session(source: Any, sess_options: Any = None, providers: Any = None) -> Any:
+        asked.extend(providers)
+        return real_session(source, sess_options=sess_options, providers=["CPUExecutionProvider"])
+
+    monkeypatch.setattr(ort, "InferenceSession", recording_session)
+    config = ModelConfig.from_dict(
+        {**model_config_of(GPU_CONFIG), "allow_cpu_fallback": True, "cuda_conv_algo_search": "heuristic"}
+    )
+    create_session(doubling_model(), config.session_options())
+    assert asked == [
+        ("CUDAExecutionProvider", {"cudnn_conv_algo_search": "HEURISTIC"}),
+        "CPUExecutionProvider",
+    ]
+
+
+def test_detector_runs_images_and_the_face_models_faces() -> None:
+    config = ModelConfig.from_dict({"gpu_image_run_size": 4, "gpu_face_run_size": 32})
+    assert config.session_options(config.gpu_image_run_size).gpu_run_size == 4
+    assert config.session_options(config.gpu_face_run_size).gpu_run_size == 32
+    assert ModelConfig().session_options().gpu_run_size == 0
