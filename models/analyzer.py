@@ -113,6 +113,14 @@ class ModelConfig:
             return "fallback"
         return "warn" if self.allow_cpu_fallback else "fail"
 
+    def verify_files(self) -> None:
+        """Every file the loaders below read, verified by sha256 without building a session: WeightFileError
+        naming the file and the fix. For a launcher, before it starts the processes that load them."""
+        for name in ("yunet_2023mar_int8bq", "dlib_shape5"):
+            resolve(name)
+        for name in ("dlib_resnet_v1", "sface_2021dec_int8bq", "faceres_deep"):
+            converted(name, self.models_dir)
+
     # Each loader verifies its weight files by sha256 (WeightFileError names the file and the fix); the
     # converted ones are built beforehand by `facesearch models fetch`, never here.
     def load_detector(self) -> FaceDetector:

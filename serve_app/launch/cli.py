@@ -50,12 +50,21 @@ def start(config: Path, host: str, port: int | None, metrics_port: int) -> int:
     import ray
     from ray import serve
 
+    from models.analyzer import ModelConfig
+    from models.errors import WeightFileError
     from serve_app.launch.deploy_config import direct_ingress_env, load_serve_config
     from serve_app.launch.embedded import free_port, start_embedded_backends
     from serve_app.launch.topology import bind_app
 
     # Validate the config before anything starts: a typo in it stops here, naming the key.
     serve_config = load_serve_config(config)
+    # So does a missing or stale model file, with the fix in the message, rather than in a replica's log
+    # after Ray and the embedded servers have started (the replicas check the same files again).
+    try:
+        ModelConfig.from_dict(serve_config.args.models).verify_files()
+    except WeightFileError as error:
+        print(f"facesearch start: {error}", file=sys.stderr, flush=True)
+        return 2
     public_port = port or int(serve_config.http_options.get("port", 8000))
     proxy_port = public_port
     if serve_config.direct_ingress:
