@@ -59,8 +59,8 @@ per --nprobe (IVF) or --ef (HNSW) value; --unfiltered adds a row per value with 
 searched without the store's filter expression (its tenant term), which tells the filter's cost from the
 index's. --compare-filters times, per value and tenant, the filter the store used before
 (`tenant_id == ... and model_version == ...`; the model version term is redundant with the per-version
-collection) right before the store's own search on the same queries, and prints both side by side in a
-second table. --nlist sets the IVF indexes' nlist (default:
+collection) and the store's own search on the same queries, interleaved query by query (the order
+alternating), and prints both side by side in a second table. --nlist sets the IVF indexes' nlist (default:
 the store's). Each further index replaces the previous one by release, drop, build and load (build time
 measured likewise).
 Searches run one at a time, as the worker does, after 10 untimed warm-up queries. Memory: the RSS of
@@ -324,22 +324,40 @@ class Filtered:
 
 async def time_searches(store: Searcher, queries: Queries, bar: float) -> tuple[list[float], Recall]:
     """Latencies (ms, warm-up excluded) and recalls (Recall) of the queries, one search at a time."""
-    timings: list[float] = []
-    hits = found_matches = matches_total = 0
-    for warm in queries.probes[:10]:
-        await store.search(queries.tenant, warm, K, -1.0)
-    for probe, truth, scores in zip(queries.probes, queries.best_ids, queries.best_scores, strict=True):
-        started = time.perf_counter()
-        matches = await store.search(queries.tenant, probe, K, -1.0)
-        timings.append((time.perf_counter() - started) * 1000)
-        found = {int(m.face_id[1:]) for m in matches}
-        hits += len(found & {int(t) for t in truth})
-        above = {int(m.face_id[1:]) for m in matches if m.similarity >= bar}
+    return (await time_interleaved([store], queries, bar))[0]
+
+
+async def time_interleaved(
+    stores: list[Searcher], queries: Queries, bar: float
+) -> list[tuple[list[float], Recall]]:
+    """time_searches for several searchers at once: each query is searched by every one in turn, the order
+    reversed every other query, so a disturbance of the machine falls on all of them alike."""
+    timings: list[list[float]] = [[] for _ in stores]
+    hits, found_matches = [0] * len(stores), [0] * len(stores)
+    matches_total = 0
+    for store in stores:
+        for warm in queries.probes[:10]:
+            await store.search(queries.tenant, warm, K, -1.0)
+    for number, (probe, truth, scores) in enumerate(
+        zip(queries.probes, queries.best_ids, queries.best_scores, strict=True)
+    ):
         exact = {int(t) for t, score in zip(truth, scores, strict=True) if score >= bar}
-        found_matches += len(above & exact)
         matches_total += len(exact)
+        order = list(enumerate(stores))
+        for which, store in order if number % 2 == 0 else reversed(order):
+            started = time.perf_counter()
+            matches = await store.search(queries.tenant, probe, K, -1.0)
+            timings[which].append((time.perf_counter() - started) * 1000)
+            found = {int(m.face_id[1:]) for m in matches}
+            hits[which] += len(found & {int(t) for t in truth})
+            above = {int(m.face_id[1:]) for m in matches if m.similarity >= bar}
+            found_matches[which] += len(above & exact)
     count = len(queries.probes)
-    return timings, Recall(hits / (K * count), found_matches / max(1, matches_total), matches_total / count)
+    return [
+        (timings[which], Recall(hits[which] / (K * count), found_matches[which] / max(1, matches_total),
+                                matches_total / count))
+        for which in range(len(stores))
+    ]  # fmt: skip
 
 
 def percentile(values: list[float], fraction: float) -> float:
@@ -533,14 +551,14 @@ async def bench_size(
             try:
                 for query in queries:
                     if args.compare_filters:
-                        # The filter before (tenant and model version) right before the store's (tenant
-                        # alone), on the same queries: the pair shares whatever else the machine does.
-                        before = await time_searches(old, query, bars[query.tenant])
+                        # The filter before (tenant and model version) and the store's (tenant alone),
+                        # interleaved query by query: the pair shares whatever else the machine does.
+                        before, after = await time_interleaved([old, tuned], query, bars[query.tenant])
                         rows.append(row(query.tenant, index, f"{key}={value}, tenant+version", *before))
-                    after = await time_searches(tuned, query, bars[query.tenant])
-                    rows.append(row(query.tenant, index, f"{key}={value}", *after))
-                    if args.compare_filters:
                         compared.append(comparison(query.tenant, index, f"{key}={value}", before, after))
+                    else:
+                        after = await time_searches(tuned, query, bars[query.tenant])
+                    rows.append(row(query.tenant, index, f"{key}={value}", *after))
             finally:
                 await tuned.close()
                 old.close()
@@ -693,7 +711,7 @@ def main() -> None:
     parser.add_argument(
         "--compare-filters", action="store_true",
         help="per search value and tenant, the store's filter before it dropped the model_version term "
-        "(tenant and model version) timed right before the store's own (tenant alone), and a table of both",
+        "(tenant and model version), interleaved with the store's own (tenant alone); a table of both",
     )  # fmt: skip
     parser.add_argument(
         "--nlist", type=int, default=None, help="IVF build parameter (default: the store's, 1024)"
