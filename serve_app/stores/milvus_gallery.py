@@ -3,14 +3,15 @@
 - pymilvus is synchronous: every call runs in a worker thread (asyncio.to_thread).
 - One collection per face model version (`{collection}_{model_version}`, dimension and all, '.' and '-'
   written '_'), holding that version's vectors only: vectors of different models are never compared.
-  Searches rely on it and filter on the tenant alone (a model_version term cost two thirds of the
-  filter's time on a Milvus server, docs/scaling.md), so it is kept, not assumed: `add` refuses a vector
-  of another version, a collection records its version in its description when created, and a store
+  Searches rely on it and filter on the tenant alone (a model_version term cost ~45 % of the filter's
+  time on a Milvus server, docs/scaling.md), so it is kept, not assumed: `add` refuses a vector of
+  another version, a collection records its version in its description when created, and a store
   refuses to open (BackendRejected) a collection recorded for another version, as "a.1" and "a_1" would
-  share one name; a collection created before that record is checked by its rows when opened. The rows
-  keep their model_version field (older collections have it, and the schema check below uses it).
-  Vectors are unit length and searched by inner product (metric IP), so a match carries the cosine
-  similarity. Galleries enrolled with an older version stay in their own collection, unsearched.
+  share one name; a collection created before that record is checked by its rows when opened (one scan
+  of the column per store). The rows keep their model_version field (older collections have it, and the
+  schema check of `_version_collections` uses it). Vectors are unit length and searched by inner product
+  (metric IP), so a match carries the cosine similarity. Galleries enrolled with an older version stay
+  in their own collection, unsearched.
 - Removal reaches every version: `delete` removes the faces from every collection of the gallery (every
   `{collection}_*` collection with the gallery's schema, found when the delete runs), so a face deleted or
   erased after a re-index leaves no copy in an older version's collection, which a switch back, or anyone
@@ -521,7 +522,7 @@ class MilvusGalleryStore:
             return []
         vector = self._checked_vector(embedding)
         # The tenant term alone: the collection holds this model version only (module docstring), and a
-        # model_version term cost two thirds of the filter's time (docs/scaling.md).
+        # model_version term cost ~45 % of the filter's time (docs/scaling.md).
         expression = f"tenant_id == {milvus_string(_checked_id(tenant_id, 'tenant_id'))}"
 
         def search(client: Any) -> list[Any]:
