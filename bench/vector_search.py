@@ -4,6 +4,7 @@
                                   [--indexes HNSW IVF_SQ8 IVF_FLAT] [--nprobe 16 32 64] [--ef 64 128]
                                   [--small-share 0.01] [--consistency Bounded] [--flat-max-rows N]
                                   [--skip-flat] [--switch-early] [--nlist N] [--unfiltered]
+                                  [--compare-filters]
                                   [--data-dir DIR] [--lock FILE]
 
 Backends: `lite` is milvus-lite 2.5.1 (the default install; its IVF_FLAT ignores nprobe and it has no
@@ -54,9 +55,12 @@ the build at once (beyond 24 GiB): with --switch-early the inserting store itsel
 switches when an insert crosses --flat-max-rows, as the service does, so the server indexes each segment
 as it seals; after the fill the bench flushes and times the wait until the index covers every row and
 the query node holds only sealed segments with their index. Either way the queries are then timed once
-per --nprobe (IVF) or --ef (HNSW) value; --unfiltered adds two rows per value with the big tenant's
-queries searched without the store's filter expression (tenant and model version) and with its tenant
-term alone, which tells the filter's cost from the index's. --nlist sets the IVF indexes' nlist (default:
+per --nprobe (IVF) or --ef (HNSW) value; --unfiltered adds a row per value with the big tenant's queries
+searched without the store's filter expression (its tenant term), which tells the filter's cost from the
+index's. --compare-filters times, per value and tenant, the filter the store used before
+(`tenant_id == ... and model_version == ...`; the model version term is redundant with the per-version
+collection) and the store's own search on the same queries, interleaved query by query (the order
+alternating), and prints both side by side in a second table. --nlist sets the IVF indexes' nlist (default:
 the store's). Each further index replaces the previous one by release, drop, build and load (build time
 measured likewise).
 Searches run one at a time, as the worker does, after 10 untimed warm-up queries. Memory: the RSS of
@@ -108,6 +112,7 @@ SPECTRUM_DECAY = 0.6  # centre variance along the k-th direction ~ k^-0.6
 NOISE_VARIANCE = 1.0 - MEAN_NORM**2 - CENTRE_VARIANCE  # within a person; unit norm on average
 NOISE_SPREAD = 0.2  # sd of the log of a photo's noise scale
 BIG, SMALL = "tenant-big", "tenant-small"
+MODEL_VERSION = "bench"
 SEED = 20261123
 K = 10
 
@@ -197,7 +202,7 @@ async def fill(
         first = index * chunk
         before, added = store.index_type, time.perf_counter()
         await store.add(
-            [GalleryEntry(f"f{first + i}", tenant, "bench", vectors[i], now) for i in range(chunk)]
+            [GalleryEntry(f"f{first + i}", tenant, MODEL_VERSION, vectors[i], now) for i in range(chunk)]
         )
         if store.index_type != before and switch is None:
             switch = (first + chunk, time.perf_counter() - added)
@@ -271,25 +276,33 @@ class Searcher(Protocol):
     ) -> list[GalleryMatch]: ...
 
 
-class Unfiltered:
-    """The store's search without its filter expression (tenant and model version): the whole collection,
-    every partition; or (tenant_only) with the tenant term alone. What the filter costs, told apart from
-    the index's own work (--unfiltered)."""
+FILTERS = ("none", "tenant", "tenant+version")
+
+
+class Filtered:
+    """The store's search with a filter expression of the bench's choosing: "none" searches the whole
+    collection, every partition; "tenant" is the store's own filter; "tenant+version" is the filter the
+    store used before it dropped the redundant model_version term (`tenant_id == ... and model_version ==
+    ...`). What the filter costs, told apart from the index's own work (--unfiltered, --compare-filters)."""
 
     def __init__(
-        self,
-        uri: str,
-        collection: str,
-        params: dict[str, int],
-        consistency: str,
-        *,
-        tenant_only: bool = False,
+        self, uri: str, collection: str, params: dict[str, int], consistency: str, terms: str
     ) -> None:
         from pymilvus import MilvusClient
 
+        if terms not in FILTERS:
+            raise ValueError(f"terms must be one of {FILTERS}")
         self._client = MilvusClient(uri=uri, timeout=600)
         self._collection, self._params, self._consistency = collection, params, consistency
-        self._tenant_only = tenant_only
+        self._terms = terms
+
+    def expression(self, tenant_id: str) -> str:
+        if self._terms == "none":
+            return ""
+        tenant = f"tenant_id == {milvus_string(tenant_id)}"
+        if self._terms == "tenant":
+            return tenant
+        return f"{tenant} and model_version == {milvus_string(MODEL_VERSION)}"
 
     async def search(
         self, tenant_id: str, embedding: np.ndarray, limit: int, min_similarity: float
@@ -297,9 +310,8 @@ class Unfiltered:
         def search() -> list[Any]:
             result: list[Any] = self._client.search(
                 self._collection, data=[embedding.tolist()], limit=limit, output_fields=[],
-                filter=f"tenant_id == {milvus_string(tenant_id)}" if self._tenant_only else "",
+                filter=self.expression(tenant_id), consistency_level=self._consistency,
                 search_params={"metric_type": "IP", "params": self._params},
-                consistency_level=self._consistency,
             )  # fmt: skip
             return list(result[0]) if result else []
 
@@ -312,22 +324,40 @@ class Unfiltered:
 
 async def time_searches(store: Searcher, queries: Queries, bar: float) -> tuple[list[float], Recall]:
     """Latencies (ms, warm-up excluded) and recalls (Recall) of the queries, one search at a time."""
-    timings: list[float] = []
-    hits = found_matches = matches_total = 0
-    for warm in queries.probes[:10]:
-        await store.search(queries.tenant, warm, K, -1.0)
-    for probe, truth, scores in zip(queries.probes, queries.best_ids, queries.best_scores, strict=True):
-        started = time.perf_counter()
-        matches = await store.search(queries.tenant, probe, K, -1.0)
-        timings.append((time.perf_counter() - started) * 1000)
-        found = {int(m.face_id[1:]) for m in matches}
-        hits += len(found & {int(t) for t in truth})
-        above = {int(m.face_id[1:]) for m in matches if m.similarity >= bar}
+    return (await time_interleaved([store], queries, bar))[0]
+
+
+async def time_interleaved(
+    stores: list[Searcher], queries: Queries, bar: float
+) -> list[tuple[list[float], Recall]]:
+    """time_searches for several searchers at once: each query is searched by every one in turn, the order
+    reversed every other query, so a disturbance of the machine falls on all of them alike."""
+    timings: list[list[float]] = [[] for _ in stores]
+    hits, found_matches = [0] * len(stores), [0] * len(stores)
+    matches_total = 0
+    for store in stores:
+        for warm in queries.probes[:10]:
+            await store.search(queries.tenant, warm, K, -1.0)
+    for number, (probe, truth, scores) in enumerate(
+        zip(queries.probes, queries.best_ids, queries.best_scores, strict=True)
+    ):
         exact = {int(t) for t, score in zip(truth, scores, strict=True) if score >= bar}
-        found_matches += len(above & exact)
         matches_total += len(exact)
+        order = list(enumerate(stores))
+        for which, store in order if number % 2 == 0 else reversed(order):
+            started = time.perf_counter()
+            matches = await store.search(queries.tenant, probe, K, -1.0)
+            timings[which].append((time.perf_counter() - started) * 1000)
+            found = {int(m.face_id[1:]) for m in matches}
+            hits[which] += len(found & {int(t) for t in truth})
+            above = {int(m.face_id[1:]) for m in matches if m.similarity >= bar}
+            found_matches[which] += len(above & exact)
     count = len(queries.probes)
-    return timings, Recall(hits / (K * count), found_matches / max(1, matches_total), matches_total / count)
+    return [
+        (timings[which], Recall(hits[which] / (K * count), found_matches[which] / max(1, matches_total),
+                                matches_total / count))
+        for which in range(len(stores))
+    ]  # fmt: skip
 
 
 def percentile(values: list[float], fraction: float) -> float:
@@ -458,7 +488,7 @@ def rebuild(uri: str, collection: str, index: str, params: dict[str, int]) -> No
 
 async def bench_size(
     server: Server, size: int, args: argparse.Namespace
-) -> tuple[list[list[str]], list[str]]:
+) -> tuple[list[list[str]], list[str], list[list[str]]]:
     chunk = min(CHUNK, size // SMALL_EVERY)  # at least SMALL_EVERY chunks: the small tenant gets its share
     chunks = size // chunk
     queries = [
@@ -473,7 +503,7 @@ async def bench_size(
     print(f"  {notes[0]}", flush=True)
     collection = f"bench_{size}"
     common: dict[str, Any] = {
-        "collection": collection, "model_version": "bench", "dimension": DIM, "timeout_s": 600,
+        "collection": collection, "model_version": MODEL_VERSION, "dimension": DIM, "timeout_s": 600,
         "consistency_level": args.consistency,
     }  # fmt: skip
     build_params = {"nlist": args.nlist} if args.nlist else {}
@@ -492,6 +522,21 @@ async def bench_size(
     def timed() -> contextlib.AbstractContextManager[None]:
         return timed_phase(args.lock, server.pid, loads)
 
+    compared: list[list[str]] = []
+
+    def comparison(
+        tenant: str,
+        index: str,
+        params: str,
+        before: tuple[list[float], Recall],
+        after: tuple[list[float], Recall],
+    ) -> list[str]:
+        cells = [f"{size:,}", tenant, index, params]
+        for timings, recall in (before, after):
+            cells += [f"{statistics.median(timings):.1f}", f"{percentile(timings, 0.95):.1f}",
+                      f"{recall.at_k:.4f}", f"{recall.matches:.4f}"]  # fmt: skip
+        return cells
+
     def row(label: str, index: str, params: str, timings: list[float], recall: Recall) -> list[str]:
         return [f"{size:,}", label, index, params, f"{statistics.median(timings):.1f}",
                 f"{percentile(timings, 0.95):.1f}", f"{recall.at_k:.4f}", f"{recall.matches:.4f}",
@@ -502,20 +547,26 @@ async def bench_size(
             tuned = MilvusGalleryStore(
                 server.uri, index_policy=dataclasses.replace(policy, search_params={key: value}), **common
             )
+            old = Filtered(server.uri, store.collection, {key: value}, args.consistency, "tenant+version")
             try:
                 for query in queries:
-                    timings, recall = await time_searches(tuned, query, bars[query.tenant])
-                    rows.append(row(query.tenant, index, f"{key}={value}", timings, recall))
+                    if args.compare_filters:
+                        # The filter before (tenant and model version) and the store's (tenant alone),
+                        # interleaved query by query: the pair shares whatever else the machine does.
+                        before, after = await time_interleaved([old, tuned], query, bars[query.tenant])
+                        rows.append(row(query.tenant, index, f"{key}={value}, tenant+version", *before))
+                        compared.append(comparison(query.tenant, index, f"{key}={value}", before, after))
+                    else:
+                        after = await time_searches(tuned, query, bars[query.tenant])
+                    rows.append(row(query.tenant, index, f"{key}={value}", *after))
             finally:
                 await tuned.close()
-            for tenant_only in (False, True) if args.unfiltered else ():
-                unfiltered = Unfiltered(
-                    server.uri, store.collection, {key: value}, args.consistency, tenant_only=tenant_only
-                )
+                old.close()
+            if args.unfiltered:
+                unfiltered = Filtered(server.uri, store.collection, {key: value}, args.consistency, "none")
                 try:
                     timings, recall = await time_searches(unfiltered, queries[0], bars[BIG])
-                    label = "tenant term only" if tenant_only else "no filter"
-                    rows.append(row(BIG, index, f"{key}={value}, {label}", timings, recall))
+                    rows.append(row(BIG, index, f"{key}={value}, no filter", timings, recall))
                 finally:
                     unfiltered.close()
         if args.consistency != "Strong":  # what the service's default consistency adds
@@ -579,12 +630,13 @@ async def bench_size(
     notes.append(f"data dir {dir_mib(server.data_dir):,.0f} MiB")
     notes.append("1-min load average at the timed phases: " + ", ".join(f"{load:.1f}" for load in loads))
     print(f"  N={size:,}: " + "; ".join(notes), flush=True)
-    return rows, notes
+    return rows, notes, compared
 
 
 async def main_async(args: argparse.Namespace) -> None:
     rows: list[list[str]] = []
     notes: list[str] = []
+    compared: list[list[str]] = []
     name = ""
     for size in args.sizes:
         with (
@@ -592,8 +644,9 @@ async def main_async(args: argparse.Namespace) -> None:
             milvus(args.backend, Path(scratch)) as server,
         ):
             name = server.name
-            size_rows, size_notes = await bench_size(server, size, args)
+            size_rows, size_notes, size_compared = await bench_size(server, size, args)
             rows += size_rows
+            compared += size_compared
             notes.append(f"N={size:,}: " + "; ".join(size_notes))
     header = [
         "N",
@@ -611,6 +664,17 @@ async def main_async(args: argparse.Namespace) -> None:
         f"time, consistency {args.consistency}; small tenant {1 / SMALL_EVERY:.1%} of the rows"
     )
     print(format_table(header, rows))
+    if compared:
+        print(
+            "\nThe store's filter before (tenant_id and model_version) and after (tenant_id alone), "
+            "on the same queries:"
+        )
+        sides = ("p50 ms", "p95 ms", "recall@10", "match recall")
+        print(format_table(
+            ["N", "searched tenant", "index", "search", *(f"before {c}" for c in sides),
+             *(f"after {c}" for c in sides)],
+            compared,
+        ))  # fmt: skip
     for note in notes:
         print(note)
 
@@ -642,8 +706,12 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--unfiltered", action="store_true",
-        help="two more rows per search value: the big tenant's queries without the store's filter "
-        "expression, and with its tenant term alone",
+        help="one more row per search value: the big tenant's queries without the store's filter expression",
+    )  # fmt: skip
+    parser.add_argument(
+        "--compare-filters", action="store_true",
+        help="per search value and tenant, the store's filter before it dropped the model_version term "
+        "(tenant and model version), interleaved with the store's own (tenant alone); a table of both",
     )  # fmt: skip
     parser.add_argument(
         "--nlist", type=int, default=None, help="IVF build parameter (default: the store's, 1024)"

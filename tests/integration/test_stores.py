@@ -8,6 +8,7 @@ collection, so tests do not share state through the session-scoped servers.
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 import subprocess
 import time
@@ -18,8 +19,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 import pytest
+from pymilvus import DataType, MilvusClient
 
-from serve_app.domain.errors import BackendUnavailable
+from serve_app.domain.errors import BackendRejected, BackendUnavailable
 from serve_app.domain.faces import FaceRecord, GalleryEntry
 from serve_app.domain.identifiers import new_client_id
 from serve_app.domain.outcomes import FaceMatch, FaceSearchOutcome
@@ -696,12 +698,15 @@ def test_gallery_add_search_isolation_delete(gallery_backend: GalleryBackend) ->
 
 def test_gallery_versions_never_meet(gallery_backend: GalleryBackend) -> None:
     """Vectors of one face model version are never compared with another's: each version has its own
-    collection (and dimension), and a vector of another version cannot be added."""
+    collection (and dimension), and a vector of another version cannot be added. Searches filter on the
+    tenant alone, so the collections alone keep versions apart: a version of the same dimension holding
+    the very same vector for the same tenant is not found either."""
 
     async def scenario() -> None:
         base = f"faces_{uuid.uuid4().hex[:8]}"
         old = gallery(gallery_backend, collection=base, model_version="v1", dimension=128)
         new = gallery(gallery_backend, collection=base, model_version="v2", dimension=256)
+        same = gallery(gallery_backend, collection=base, model_version="v1.1", dimension=128)
         rng = np.random.default_rng(3)
         try:
             shared = vector(rng)
@@ -714,9 +719,101 @@ def test_gallery_versions_never_meet(gallery_backend: GalleryBackend) -> None:
                 await new.add([GalleryEntry("face-x", "tenant-a", "v1", twin.astype(np.float32), 0.0)])
             with pytest.raises(ValueError):
                 await new.search("tenant-a", shared, 10, -1.0)  # a 128-d probe against the 256-d gallery
+            await same.add([GalleryEntry("face-same", "tenant-a", "v1.1", shared, time.time())])
+            assert [m.face_id for m in await same.search("tenant-a", shared, 10, -1.0)] == ["face-same"]
+            assert [m.face_id for m in await old.search("tenant-a", shared, 10, -1.0)] == ["face-old"]
         finally:
             await old.close()
             await new.close()
+            await same.close()
+
+    run(scenario)
+
+
+def test_versions_whose_names_share_a_collection_are_refused(gallery_backend: GalleryBackend) -> None:
+    """Collection names write '.' and '-' as '_', so versions "v.1", "v_1" and "v-1" map to one collection.
+    Searches filter on the tenant alone and rely on a collection holding one version: the collection
+    records the version that created it, and a store of another version refuses to open it, so it never
+    searches (nor adds to) the first version's vectors. Before, the second store opened the collection."""
+
+    async def scenario() -> None:
+        base = f"faces_{uuid.uuid4().hex[:8]}"
+        held = re.escape("holds face model version 'v.1', not")
+        first = gallery(gallery_backend, collection=base, model_version="v.1", dimension=16)
+        rng = np.random.default_rng(17)
+        probe = unit(rng, 16)
+        try:
+            await first.add([GalleryEntry("face-first", "tenant-a", "v.1", probe, 0.0)])
+            for version in ("v_1", "v-1"):
+                other = gallery(gallery_backend, collection=base, model_version=version, dimension=16)
+                assert other.collection == first.collection
+                try:
+                    with pytest.raises(BackendRejected, match=held):
+                        await other.ensure_ready()
+                    with pytest.raises(BackendRejected, match=held):
+                        await other.search("tenant-a", probe, 10, -1.0)
+                    with pytest.raises(BackendRejected, match=held):
+                        await other.add([GalleryEntry("face-other", "tenant-a", version, probe, 0.0)])
+                finally:
+                    await other.close()
+            # The first version's store serves its collection as before, and nothing else joined it.
+            assert [m.face_id for m in await first.search("tenant-a", probe, 10, -1.0)] == ["face-first"]
+            assert await first.count() == 1
+        finally:
+            await first.close()
+
+    run(scenario)
+
+
+def test_a_collection_without_a_recorded_version_is_checked_by_its_rows(
+    gallery_backend: GalleryBackend,
+) -> None:
+    """A collection created before collections recorded their model version (the schema of earlier
+    releases, no description) is checked by its rows when a store opens it: one holding another version's
+    rows is refused, since the store's tenant-only search would return them; one holding only the store's
+    own version is served, and its searches return its own rows only."""
+
+    async def scenario() -> None:
+        base = f"faces_{uuid.uuid4().hex[:8]}"
+        name = f"{base}_v_1"
+        client = MilvusClient(uri=gallery_backend.uri, timeout=30)
+        schema = client.create_schema(auto_id=False, enable_dynamic_field=False)
+        schema.add_field("face_id", DataType.VARCHAR, max_length=64, is_primary=True)
+        schema.add_field("tenant_id", DataType.VARCHAR, max_length=64)
+        schema.add_field("model_version", DataType.VARCHAR, max_length=64)
+        schema.add_field("created_at", DataType.INT64)
+        schema.add_field("embedding", DataType.FLOAT_VECTOR, dim=16)
+        index = client.prepare_index_params()
+        index.add_index(field_name="embedding", index_type="FLAT", metric_type="IP", params={})
+        client.create_collection(name, schema=schema, index_params=index, consistency_level="Strong")
+        rng = np.random.default_rng(19)
+        probe = unit(rng, 16)
+        rows = [
+            {"face_id": face_id, "tenant_id": "tenant-a", "model_version": version, "created_at": 0,
+             "embedding": probe.tolist()}
+            for face_id, version in (("face-own", "v_1"), ("face-other", "v.1"))
+        ]  # fmt: skip
+        client.insert(name, rows)
+        try:
+            refused = gallery(gallery_backend, collection=base, model_version="v_1", dimension=16)
+            try:
+                assert refused.collection == name
+                with pytest.raises(
+                    BackendRejected, match=re.escape("holds face model version 'v.1', not 'v_1'")
+                ):
+                    await refused.search("tenant-a", probe, 10, -1.0)
+            finally:
+                await refused.close()
+
+            client.delete(name, filter='model_version == "v.1"')
+            served = gallery(gallery_backend, collection=base, model_version="v_1", dimension=16)
+            try:
+                assert [m.face_id for m in await served.search("tenant-a", probe, 10, -1.0)] == ["face-own"]
+            finally:
+                await served.close()
+        finally:
+            client.drop_collection(name)
+            client.close()
 
     run(scenario)
 
