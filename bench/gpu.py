@@ -51,17 +51,10 @@ CUDA_FIRST = ("CUDAExecutionProvider", "CPUExecutionProvider")
 _DTYPES = {"tensor(float)": np.float32, "tensor(uint8)": np.uint8}
 
 
-def gpu_description() -> str:
+def nvidia_smi(fields: str) -> str:
+    """`nvidia-smi --query-gpu=<fields>` as CSV without header or units, or "?" where it cannot run."""
+    query = ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"]
     try:
-        query = ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"]
-        return subprocess.run(query, capture_output=True, text=True, check=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "nvidia-smi not available"
-
-
-def gpu_memory_used_mib() -> str:
-    try:
-        query = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
         return subprocess.run(query, capture_output=True, text=True, check=True, timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "?"
@@ -203,12 +196,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     images = [to_rgb(load_image(item.path)) for item in load_faces_dev(args.faces_dev).images]
-    print(f"# Machine\nGPU: {gpu_description()}\nCPU cores: {os.cpu_count()}")
+    print(f"# Machine\nGPU: {nvidia_smi('name,driver_version,memory.total')}\nCPU cores: {os.cpu_count()}")
     print(f"onnxruntime {ort.__version__}, available providers: {ort.get_available_providers()}")
 
     config = ModelConfig(provider_preference=CUDA_FIRST)  # CUDA first is a requirement: no quiet fallback
     analyzer = load_face_analyzer(config)
-    print(f"GPU memory used with the four sessions loaded: {gpu_memory_used_mib()} MiB")
+    print(f"GPU memory used with the four sessions loaded: {nvidia_smi('memory.used')} MiB")
     print("\n# Sessions built by the service's loader (CUDA first, required)")
     print(format_table(["model", "session providers"], session_rows(analyzer)))
     print("\n# Node placement (ONNX Runtime profiler, one run at batch 4)")
