@@ -142,17 +142,18 @@ class GalleryService:
             current = await self._records.get(tenant_id, face_id)
             if current is None:
                 raise NotFound("No enrolled face has this face_id.")
+            # The entry before the removal (see erase_reference).
+            await self._audit.append(
+                tenant_id,
+                AuditEntry(
+                    at=self._clock(),
+                    actor=actor,
+                    action=AuditAction.DELETE_FACE,
+                    faces=1,
+                    subject=self.subject_hash("face", face_id),
+                ),
+            )
             await self._remove([current])
-        await self._audit.append(
-            tenant_id,
-            AuditEntry(
-                at=self._clock(),
-                actor=actor,
-                action=AuditAction.DELETE_FACE,
-                faces=1,
-                subject=self.subject_hash("face", face_id),
-            ),
-        )
 
     async def erase_reference(self, tenant_id: str, actor: str, client_reference: str) -> Erasure:
         """Remove every face of the reference. Idempotent: an unknown reference erases 0 faces (and is
@@ -164,17 +165,20 @@ class GalleryService:
             erased_at = self._clock()
             await self._records.mark_erased(tenant_id, client_reference, erased_at)
             records = await self._records.records_for_reference(tenant_id, client_reference)
+            # The audit entry is written before the faces are removed: a removal that happened always has
+            # its entry, even if this process dies or a store fails right after it. One that failed midway
+            # has an entry too, and the caller's retry, which finishes it, adds another.
+            await self._audit.append(
+                tenant_id,
+                AuditEntry(
+                    at=erased_at,
+                    actor=actor,
+                    action=AuditAction.ERASE_REFERENCE,
+                    faces=len(records),
+                    subject=self.subject_hash("reference", client_reference),
+                ),
+            )
             await self._remove(records)
-        await self._audit.append(
-            tenant_id,
-            AuditEntry(
-                at=erased_at,
-                actor=actor,
-                action=AuditAction.ERASE_REFERENCE,
-                faces=len(records),
-                subject=self.subject_hash("reference", client_reference),
-            ),
-        )
         return Erasure(client_reference, len(records), erased_at)
 
     async def _remove(self, records: Sequence[FaceRecord]) -> None:

@@ -7,6 +7,9 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
+from serve_app.domain.errors import BackendUnavailable
 from serve_app.domain.gallery import AuditAction
 from serve_app.pipelines.gallery import GalleryService
 from serve_app.pipelines.processing import enrolled_face_id
@@ -103,6 +106,43 @@ def test_erasure_removes_every_face_vector_record_and_proof_of_the_reference_onl
         assert "customer-x" not in repr(entries)
         assert entries[0].subject == gallery.subject_hash("reference", "customer-x")
         assert entries[0].subject != service(world).subject_hash("reference", "customer-y")
+
+    run(scenario())
+
+
+def test_a_removal_that_fails_midway_is_already_in_the_audit_trail_and_a_retry_finishes_it() -> None:
+    async def scenario() -> None:
+        world = World()
+        for n in (1, 2):
+            await world.enrol(TENANT, face_id(n), embedding(n), "customer-x")
+        target = await world.enrol(TENANT, face_id(3), embedding(3), "customer-y")
+        audit = FakeAuditLog()
+        gallery = service(world, audit)
+        healthy_delete = world.gallery.delete
+
+        async def vector_store_down(tenant_id: str, face_ids: Any) -> None:
+            raise BackendUnavailable("the vector store is unavailable")
+
+        world.gallery.delete = vector_store_down  # type: ignore[method-assign]
+        with pytest.raises(BackendUnavailable):
+            await gallery.erase_reference(TENANT, "cl_actor", "customer-x")
+        with pytest.raises(BackendUnavailable):
+            await gallery.delete_face(TENANT, "cl_actor", target.face_id)
+        # Nothing was removed, and both requests are in the trail already.
+        assert world.gallery.face_ids(TENANT) == {face_id(1), face_id(2), face_id(3)}
+        assert [(e.action, e.faces) for e in audit.entries[TENANT]] == [
+            (AuditAction.ERASE_REFERENCE, 2),
+            (AuditAction.DELETE_FACE, 1),
+        ]
+
+        world.gallery.delete = healthy_delete  # type: ignore[method-assign]
+        assert (await gallery.erase_reference(TENANT, "cl_actor", "customer-x")).faces_erased == 2
+        await gallery.delete_face(TENANT, "cl_actor", target.face_id)
+        assert world.gallery.face_ids(TENANT) == set()
+        assert [(e.action, e.faces) for e in audit.entries[TENANT]][2:] == [
+            (AuditAction.ERASE_REFERENCE, 2),
+            (AuditAction.DELETE_FACE, 1),
+        ]
 
     run(scenario())
 
