@@ -765,6 +765,35 @@ def test_versions_whose_names_share_a_collection_are_refused(gallery_backend: Ga
     run(scenario)
 
 
+def test_two_versions_sharing_a_name_opened_at_once_leave_one_owner(gallery_backend: GalleryBackend) -> None:
+    """Two stores whose versions map to one collection name open it at the same moment (two replicas of
+    different releases starting together): one creates it and serves it, the other is refused, whichever
+    wins the race. Neither may end up searching the other's vectors."""
+
+    async def scenario() -> None:
+        base = f"faces_{uuid.uuid4().hex[:8]}"
+        versions = ("v.1", "v_1")
+        stores = [gallery(gallery_backend, collection=base, model_version=v, dimension=16) for v in versions]
+        try:
+            outcomes = await asyncio.gather(
+                *(store.ensure_ready() for store in stores), return_exceptions=True
+            )
+            won = [i for i, outcome in enumerate(outcomes) if outcome is None]
+            refused = [outcome for outcome in outcomes if isinstance(outcome, BackendRejected)]
+            assert len(won) == 1 and len(refused) == 1, outcomes
+            owner, other = stores[won[0]], stores[1 - won[0]]
+            probe = unit(np.random.default_rng(23), 16)
+            await owner.add([GalleryEntry("face-owner", "tenant-a", versions[won[0]], probe, 0.0)])
+            assert [m.face_id for m in await owner.search("tenant-a", probe, 10, -1.0)] == ["face-owner"]
+            with pytest.raises(BackendRejected):
+                await other.search("tenant-a", probe, 10, -1.0)
+        finally:
+            for store in stores:
+                await store.close()
+
+    run(scenario)
+
+
 def test_a_collection_without_a_recorded_version_is_checked_by_its_rows(
     gallery_backend: GalleryBackend,
 ) -> None:
