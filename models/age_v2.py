@@ -26,7 +26,7 @@ import onnxruntime as ort
 
 from models.arrays import flatten_views
 from models.errors import ModelFormatError
-from models.sessions import SessionOptions, create_session, fixed_run_size, run_padded
+from models.sessions import SessionOptions, create_session, fixed_run_size, run_padded, warm_up
 from models.types import AgeEstimate
 
 WEIGHT_NAME = "faceres_deep"
@@ -173,9 +173,9 @@ class FaceresAgeEstimator:
             raise ModelFormatError(f"cannot load the age model {model_path}: {error}") from error
         self._check_signature(self._session, model_path)
         self._run_size = fixed_run_size(self._session, options)
-        # Warm-up at the size every run will have (on a GPU, cuDNN sets up per shape; see SessionOptions).
-        warmup = np.zeros((1, INPUT_SIZE, INPUT_SIZE, 3), dtype=np.float32)
-        run_padded(self._session, [OUTPUT_NAME], INPUT_NAME, warmup, self._run_size)
+        warm_up(
+            self._session, options, {INPUT_NAME: np.zeros((1, INPUT_SIZE, INPUT_SIZE, 3), dtype=np.float32)}
+        )
 
     @staticmethod
     def _check_signature(session: ort.InferenceSession, model_path: Path) -> None:

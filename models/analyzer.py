@@ -48,7 +48,7 @@ from models.quality import DEFAULT_QUALITY_THRESHOLDS, QualityThresholds, assess
 from models.sessions import DEFAULT_PROVIDER_PREFERENCE, SessionOptions
 from models.types import AgeEstimate, AnalyzedFace, DetectedFace, FaceQuality
 from models.types import largest_face as largest_face  # re-exported: callers import it from here
-from models.weights import converted, resolve
+from models.weights import CONVERTED, converted, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class ModelConfig:
         naming the file and the fix. For a launcher, before it starts the processes that load them."""
         for name in ("yunet_2023mar_int8bq", "dlib_shape5"):
             resolve(name)
-        for name in ("dlib_resnet_v1", "sface_2021dec_int8bq", "faceres_deep"):
+        for name in CONVERTED:
             converted(name, self.models_dir)
 
     # Each loader verifies its weight files by sha256 (WeightFileError names the file and the fix); the

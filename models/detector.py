@@ -251,10 +251,6 @@ class FaceDetector:
         on_cpu = self._session.get_providers()[0] == "CPUExecutionProvider"
         self.images_per_run = options.cpu_images_per_run if on_cpu else None  # None: the whole batch
         self._run_size = fixed_run_size(self._session, session_options)
-        if (
-            self._run_size
-        ):  # cuDNN sets up for the one shape every run will have, now rather than on a request
-            run_padded(self._session, self._output_names, INPUT_NAME, warmup[INPUT_NAME], self._run_size)
         # Grid cell coordinates of every anchor, strides concatenated in the order of the outputs.
         xs, ys, ss = [], [], []
         for stride in STRIDES:

@@ -43,10 +43,6 @@ class FaceEmbedder:
         warmup = {INPUT_NAME: np.zeros((_WARMUP_BATCH, *CHIP_SHAPE), dtype=np.uint8)}
         self._session = create_session(model_path, options, warmup_feed=warmup)
         self._run_size = fixed_run_size(self._session, options)
-        if (
-            self._run_size
-        ):  # cuDNN sets up for the one shape every run will have, now rather than on a request
-            run_padded(self._session, [OUTPUT_NAME], INPUT_NAME, warmup[INPUT_NAME], self._run_size)
         inputs = [node.name for node in self._session.get_inputs()]
         outputs = [node.name for node in self._session.get_outputs()]
         if inputs != [INPUT_NAME] or outputs != [OUTPUT_NAME]:
@@ -84,8 +80,6 @@ class SFaceEmbedder:
         warmup = {SFACE_INPUT: np.zeros((_WARMUP_BATCH, *SFACE_CHIP_SHAPE), dtype=np.uint8)}
         self._session = create_session(model_path, options, warmup_feed=warmup)
         self._run_size = fixed_run_size(self._session, options)
-        if self._run_size:
-            run_padded(self._session, [SFACE_OUTPUT], SFACE_INPUT, warmup[SFACE_INPUT], self._run_size)
         inputs = [node.name for node in self._session.get_inputs()]
         outputs = [node.name for node in self._session.get_outputs()]
         if inputs != [SFACE_INPUT] or outputs != [SFACE_OUTPUT]:

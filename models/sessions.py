@@ -106,8 +106,23 @@ def create_session(
         "onnx session %s on %s", model if isinstance(model, Path) else "<bytes>", session.get_providers()
     )
     if warmup_feed is not None:
-        session.run(None, warmup_feed)
+        warm_up(session, options, warmup_feed)
     return session
+
+
+def warm_up(session: ort.InferenceSession, options: SessionOptions, feed: dict[str, np.ndarray]) -> None:
+    """One run at the size every run_padded run of this session will have (the feed's rows padded or cut to
+    it on an accelerator, where cuDNN sets up per shape), so no request pays for that set-up."""
+    run_size = fixed_run_size(session, options)
+    if run_size:
+        feed = {name: _rows(array, run_size) for name, array in feed.items()}
+    session.run(None, feed)
+
+
+def _rows(batch: np.ndarray, count: int) -> np.ndarray:
+    """The first `count` rows of a batch, zero rows appended where it has fewer."""
+    padding = np.zeros((max(0, count - len(batch)), *batch.shape[1:]), dtype=batch.dtype)
+    return np.concatenate([batch[:count], padding])
 
 
 def _with_provider_options(
@@ -145,7 +160,6 @@ def run_padded(
     runs: list[list[np.ndarray]] = []
     for start in range(0, len(batch), run_size):
         rows = batch[start : start + run_size]
-        padding = np.zeros((run_size - len(rows), *rows.shape[1:]), dtype=rows.dtype)
-        outputs = session.run(list(output_names), {input_name: np.concatenate([rows, padding])})
+        outputs = session.run(list(output_names), {input_name: _rows(rows, run_size)})
         runs.append([output[: len(rows)] for output in outputs])
     return [np.concatenate(parts) for parts in zip(*runs, strict=True)]

@@ -15,7 +15,14 @@ from onnx import TensorProto, helper
 
 from models.analyzer import ModelConfig
 from models.errors import ProviderUnavailable
-from models.sessions import SessionOptions, choose_providers, create_session, fixed_run_size, run_padded
+from models.sessions import (
+    SessionOptions,
+    choose_providers,
+    create_session,
+    fixed_run_size,
+    run_padded,
+    warm_up,
+)
 
 
 def doubling_model() -> bytes:
@@ -207,3 +214,11 @@ def test_detector_runs_images_and_the_face_models_faces() -> None:
     assert config.session_options(config.gpu_image_run_size).gpu_run_size == 4
     assert config.session_options(config.gpu_face_run_size).gpu_run_size == 32
     assert ModelConfig().session_options().gpu_run_size == 0
+
+
+def test_warm_up_runs_at_the_run_size_on_an_accelerator() -> None:
+    accelerator = RecordingSession()
+    warm_up(accelerator, SessionOptions(gpu_run_size=4), {"x": np.ones((2, 3), dtype=np.float32)})
+    warm_up(accelerator, SessionOptions(gpu_run_size=4), {"x": np.ones((6, 3), dtype=np.float32)})
+    warm_up(accelerator, SessionOptions(gpu_run_size=0), {"x": np.ones((2, 3), dtype=np.float32)})
+    assert accelerator.rows == [4, 4, 2]
