@@ -44,7 +44,6 @@ from tests.service_harness import RunningService, running_service
 
 if TYPE_CHECKING:
     from models.analyzer import ModelConfig
-    from serve_app.launch.topology import AppArgs
 
 DEFAULT_CONFIG = REPO_ROOT / "config" / "serve.yaml"  # the one-machine CPU topology, in_process
 
@@ -318,22 +317,21 @@ def ingress_label(topology: str, ingress: str) -> str:
 def benchmarked_service(
     data_dir: Path, topology: str, threads: int, ingress: str
 ) -> Iterator[RunningService]:
-    """The service as benchmarked on this box, on 127.0.0.1."""
+    """The service as benchmarked on this box, on 127.0.0.1: in_process is the shipped default
+    (config/serve.yaml with its environment, as `make run` starts it)."""
     direct = uses_direct_ingress(topology, ingress)
-    with running_service(data_dir, app_args_for(topology, threads), direct_ingress=direct) as service:
+    args = None if topology == "in_process" else split_app_args(threads)
+    with running_service(data_dir, args, direct_ingress=direct) as service:
         yield service
 
 
-def app_args_for(topology: str, threads: int) -> dict[str, object] | AppArgs:
-    """build_app arguments of the benchmarked service on this box: in_process is the shipped default
-    (config/serve.yaml, as `make run` starts it); split gets `threads` intra-op threads per model."""
-    if topology == "in_process":
-        return load_serve_config(DEFAULT_CONFIG).args
+def split_app_args(threads: int) -> dict[str, object]:
+    """build_app arguments of the split topology on this box: `threads` intra-op threads per model."""
     # Three model replicas must fit next to the ingress and worker on a 2-CPU box.
     share = {"ray_actor_options": {"num_cpus": 0.5}}
     models = ("FaceDetectorModel", "FaceEmbedderModel", "AgeModel")
     return {
-        "topology": topology,
+        "topology": "split",
         "model_config": {"intra_op_threads": threads},
         "deployment_options": {name: share for name in models},
     }

@@ -86,7 +86,8 @@ def running_service(
     start_timeout_s: float = 300,
     direct_ingress: bool | None = None,
 ) -> Iterator[RunningService]:
-    """args: the application's (default: config/serve.yaml's). With direct_ingress (default: as that
+    """args: the application's (default: config/serve.yaml's, whose runtime_env env_vars are then exported
+    before Ray starts, as the launcher does). With direct_ingress (default: as that
     config says when args is not given, else off), clients reach the ingress replica's own HTTP server
     (base_url), as `facesearch start` sets it up for a config that asks for it; Serve's proxy then listens
     on a port nobody calls."""
@@ -95,14 +96,17 @@ def running_service(
 
     from serve_app.launch.topology import bind_app
 
+    config_env: dict[str, str] = {}
     if args is None:
         shipped = load_serve_config(DEFAULT_CONFIG)
         args = shipped.args
+        config_env = shipped.env_vars  # as `facesearch start` exports them
         direct_ingress = shipped.direct_ingress if direct_ingress is None else direct_ingress
     ray_tmp = Path(f"/tmp/ray-{os.getpid()}")
     ray_tmp.mkdir(parents=True, exist_ok=True)
     direct_port = free_port() if direct_ingress else None
     overrides = {
+        **config_env,
         **loopback_ray_env(ray_tmp),
         "FACESEARCH_DATA_DIR": str(data_dir),
         # Off explicitly otherwise: a service started from a process that runs one with direct ingress (the

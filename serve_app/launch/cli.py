@@ -65,6 +65,9 @@ def start(config: Path, host: str, port: int | None, metrics_port: int) -> int:
     except WeightFileError as error:
         print(f"facesearch start: {error}", file=sys.stderr, flush=True)
         return 2
+    # The config's Ray Serve switches, before Ray starts: its controller and proxy read them at start-up
+    # too, not only the application's replicas (which is all `serve run` would give them to).
+    os.environ.update(serve_config.env_vars)
     public_port = port or int(serve_config.http_options.get("port", 8000))
     proxy_port = public_port
     if serve_config.direct_ingress:

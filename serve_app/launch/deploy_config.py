@@ -1,7 +1,8 @@
 """What a Serve config file says, read and checked before anything starts: the application's `args`
-(serve_app.launch.topology.AppArgs), Serve's http options and whether the ingress serves its port itself
-(direct ingress). Every part is a pydantic model that rejects unknown keys, so a typo fails with a message
-naming the key instead of being ignored. No Ray here: the config files are checked by unit tests.
+(serve_app.launch.topology.AppArgs), Serve's http options, the environment its Ray processes need and
+whether the ingress serves its port itself (direct ingress). Every part is a pydantic model that rejects
+unknown keys, so a typo fails with a message naming the key instead of being ignored. No Ray here: the
+config files are checked by unit tests.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ class ServeConfig(NamedTuple):
     args: AppArgs
     http_options: dict[str, Any]
     direct_ingress: bool
+    # The application's runtime_env env_vars: Ray Serve's own switches, which its processes read when they
+    # start. `serve run` hands them to the application's replicas; the launcher and the test harness put
+    # them in the environment Ray starts in, so Serve's controller and proxy read them too.
+    env_vars: dict[str, str]
 
 
 def load_serve_config(path: Path) -> ServeConfig:
@@ -40,8 +45,11 @@ def parse_serve_config(document: dict[str, Any]) -> ServeConfig:
         entry = dict(entry)
         deployment_options[entry.pop("name")] = entry
     args["deployment_options"] = deployment_options
-    env_vars = ((application.get("runtime_env") or {}).get("env_vars")) or {}
-    direct_ingress = str(env_vars.get(DIRECT_INGRESS_FLAG, "0")) == "1"
+    env_vars = {
+        str(name): str(value)
+        for name, value in (((application.get("runtime_env") or {}).get("env_vars")) or {}).items()
+    }
+    direct_ingress = env_vars.get(DIRECT_INGRESS_FLAG, "0") == "1"
     if direct_ingress:
         ingress = deployment_options.get("ApiIngress", {})
         # Serve's own default is one replica, so leaving num_replicas out is fine.
@@ -50,7 +58,9 @@ def parse_serve_config(document: dict[str, Any]) -> ServeConfig:
                 f"{DIRECT_INGRESS_FLAG}: the ingress replica serves the public port itself, so ApiIngress "
                 "needs num_replicas: 1 (a second replica would listen on another port, behind no proxy)"
             )
-    return ServeConfig(AppArgs.model_validate(args), dict(document.get("http_options") or {}), direct_ingress)
+    return ServeConfig(
+        AppArgs.model_validate(args), dict(document.get("http_options") or {}), direct_ingress, env_vars
+    )
 
 
 def direct_ingress_env(port: int) -> dict[str, str]:

@@ -353,14 +353,22 @@ class RedisTransactionStore:
                 return tx
         deadline = time.monotonic() + timeout_s
         done_key = self._done_key(reference_id)
+        fields: Any = None
         async with redis_errors():
             while (remaining := deadline - time.monotonic()) > 0:
                 # Fractional seconds, which Redis accepts since 6.0 (redis-py's hint says int).
                 block_s: Any = max(0.01, min(remaining, self._max_block_s))
-                signal = await self._redis.blmove(done_key, done_key, block_s, "LEFT", "RIGHT")
+                # One round trip for the wait and the read: Redis runs a client's pipelined commands in
+                # order, so the HGETALL waits for the BLMOVE to return, and then reads the final state.
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    pipe.blmove(done_key, done_key, block_s, "LEFT", "RIGHT")
+                    pipe.hgetall(self._tx_key(reference_id))
+                    signal, fields = await pipe.execute()
                 if signal is not None:
                     break
-        return await self.get(reference_id)
+        if fields is None:
+            return await self.get(reference_id)  # no time left to wait at all
+        return decode_transaction(reference_id, text_map(fields)) if fields else None
 
     async def image_keys_in_flight(self) -> set[str]:
         """Blob keys of the uploads of transactions still on the queue: reconciliation keeps them."""

@@ -132,6 +132,8 @@ _WORKER["ray_actor_options"] = {"num_cpus": 0.5}  # room for the second replica 
 TOPOLOGIES = {"split": SPLIT_ARGS, "in_process": IN_PROCESS_ARGS}
 # As shipped: the default config has clients call the ingress replica's own HTTP server.
 DIRECT_INGRESS = {"split": False, "in_process": IN_PROCESS_CONFIG.direct_ingress}
+# And with its Ray Serve switches, as `facesearch start` exports them.
+ENVIRONMENT: dict[str, dict[str, str]] = {"split": {}, "in_process": IN_PROCESS_CONFIG.env_vars}
 
 
 def main(argv: list[str]) -> int:
@@ -139,7 +141,10 @@ def main(argv: list[str]) -> int:
     with (
         tempfile.TemporaryDirectory() as data_dir,
         running_service(
-            Path(data_dir), TOPOLOGIES[topology], direct_ingress=DIRECT_INGRESS[topology]
+            Path(data_dir),
+            TOPOLOGIES[topology],
+            env=ENVIRONMENT[topology],
+            direct_ingress=DIRECT_INGRESS[topology],
         ) as service,
     ):
         check_search_and_age(service, topology)

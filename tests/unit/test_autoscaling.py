@@ -59,7 +59,7 @@ def test_a_target_must_be_positive() -> None:
 
 
 def test_the_default_config_names_the_policy_with_valid_arguments() -> None:
-    args, http, _ = load_serve_config(ROOT / "config/serve.yaml")
+    args, http, *_ = load_serve_config(ROOT / "config/serve.yaml")
     assert args.topology == "in_process" and http["host"] == "127.0.0.1"
     worker: dict[str, Any] = args.deployment_options["TransactionWorker"]
     policy = worker["autoscaling_config"]["policy"]

@@ -1,13 +1,15 @@
-"""`facesearch start` checks the model files before it starts anything."""
+"""`facesearch start` checks the model files, and sets the config's environment, before it starts anything."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import ray
 
 from serve_app.launch import cli, embedded
+from serve_app.launch.deploy_config import load_serve_config
 
 CONFIG = Path(__file__).resolve().parents[2] / "config" / "serve.yaml"
 
@@ -34,3 +36,29 @@ def test_the_installed_models_pass_the_check() -> None:
     from models.analyzer import ModelConfig
 
     ModelConfig().verify_files()  # the models `make install` built: raises if one is missing or differs
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_the_configs_serve_switches_are_set_before_the_servers_and_ray_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Serve's controller reads its switches from the environment Ray starts in (a config's runtime_env
+    reaches only the application's replicas): start() must export them first."""
+    switches = load_serve_config(CONFIG).env_vars
+    assert switches  # the default config has some to set
+    for key in {*cli.LOOPBACK_ENV, *switches}:
+        monkeypatch.setenv(key, "")  # start() sets them; this restores the test process's afterwards
+    seen: dict[str, str] = {}
+
+    def first_thing_started(*args: object, **kwargs: object) -> None:
+        seen.update(os.environ)
+        raise _Stop
+
+    monkeypatch.setattr(embedded, "start_embedded_backends", first_thing_started)
+    monkeypatch.setattr(ray, "init", first_thing_started)
+    with pytest.raises(_Stop):
+        cli.start(CONFIG, "127.0.0.1", 18123, 0)
+    assert {key: seen[key] for key in switches} == switches

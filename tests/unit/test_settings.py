@@ -173,7 +173,7 @@ def _kuberay_serve_config() -> dict[str, object]:
 
 
 def test_every_shipped_config_validates() -> None:
-    default, http, direct_ingress = load_serve_config(ROOT / "config/serve.yaml")
+    default, http, direct_ingress, _ = load_serve_config(ROOT / "config/serve.yaml")
     assert default.topology == "in_process" and http["host"] == "127.0.0.1" and direct_ingress
     assert default.deployment_options["TransactionWorker"]["user_config"] == {"concurrency": 32}
     gpu = load_serve_config(ROOT / "config/serve-gpu.yaml")
@@ -232,6 +232,16 @@ def test_direct_ingress_refuses_more_than_one_ingress_replica(ingress: dict[str,
     entry |= ingress
     with pytest.raises(ValueError, match="num_replicas: 1"):
         parse_serve_config(document)
+
+
+def test_a_configs_serve_switches_are_read_as_strings() -> None:
+    document = yaml.safe_load((ROOT / "config/serve.yaml").read_text())
+    env_vars = document["applications"][0]["runtime_env"]["env_vars"]
+    env_vars["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] = 0.25  # YAML reads an unquoted number as a float
+    parsed = parse_serve_config(document).env_vars
+    assert parsed["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.25"
+    assert parsed[DIRECT_INGRESS_FLAG] == "1"
+    assert all(isinstance(value, str) for value in parsed.values())  # what os.environ accepts
 
 
 def test_direct_ingress_env_pins_the_ingress_server_to_one_port() -> None:
