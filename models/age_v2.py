@@ -26,7 +26,7 @@ import onnxruntime as ort
 
 from models.arrays import flatten_views
 from models.errors import ModelFormatError
-from models.sessions import SessionOptions, create_session, fixed_run_size, run_padded, warm_up
+from models.sessions import SessionOptions, SessionRunner, create_session, fixed_run_size, run_padded, warm_up
 from models.types import AgeEstimate
 
 WEIGHT_NAME = "faceres_deep"
@@ -160,7 +160,7 @@ def round_age(expected_age: float) -> int:
     return math.floor(expected_age + 0.5)
 
 
-class FaceresAgeEstimator:
+class FaceresAgeEstimator(SessionRunner):
     """Runs faceres-deep on face views; every view of a call goes through one ONNX Runtime run."""
 
     views_per_face = VIEWS_PER_FACE
@@ -206,11 +206,6 @@ class FaceresAgeEstimator:
         if not np.all(np.isfinite(sums)) or np.abs(sums - 1.0).max() > _PROBABILITY_SUM_TOLERANCE:
             raise ModelFormatError(f"age network returned rows that are not distributions (sums {sums})")
         return probabilities
-
-    @property
-    def providers(self) -> list[str]:
-        """The providers this session was built with, in priority order (which nodes each runs: bench.gpu)."""
-        return list(self._session.get_providers())
 
     def estimate(self, views: np.ndarray) -> list[AgeEstimate]:
         return [self.from_probabilities(row) for row in self.probabilities(views)]

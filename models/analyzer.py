@@ -52,6 +52,10 @@ from models.weights import CONVERTED, converted, resolve
 
 logger = logging.getLogger(__name__)
 
+# The registry weights the loaders read as they are (the converted models are CONVERTED's).
+_DETECTOR_WEIGHTS = "yunet_2023mar_int8bq"
+_LANDMARK_WEIGHTS = "dlib_shape5"
+
 # dlib's recipe for its ResNet descriptor (dnn_face_recognition_ex.cpp): 150 px chip, 25 % padding.
 DESCRIPTOR_CHIP_PADDING = 0.25
 
@@ -116,7 +120,7 @@ class ModelConfig:
     def verify_files(self) -> None:
         """Every file the loaders below read, verified by sha256 without building a session: WeightFileError
         naming the file and the fix. For a launcher, before it starts the processes that load them."""
-        for name in ("yunet_2023mar_int8bq", "dlib_shape5"):
+        for name in (_DETECTOR_WEIGHTS, _LANDMARK_WEIGHTS):
             resolve(name)
         for name in CONVERTED:
             converted(name, self.models_dir)
@@ -125,10 +129,10 @@ class ModelConfig:
     # converted ones are built beforehand by `facesearch models fetch`, never here.
     def load_detector(self) -> FaceDetector:
         options = self.session_options(self.gpu_image_run_size)
-        return FaceDetector(resolve("yunet_2023mar_int8bq"), self.detector, options)
+        return FaceDetector(resolve(_DETECTOR_WEIGHTS), self.detector, options)
 
     def load_cropper(self) -> FaceCropper:
-        return FaceCropper(FaceAligner(resolve("dlib_shape5")))
+        return FaceCropper(FaceAligner(resolve(_LANDMARK_WEIGHTS)))
 
     def load_embedder(self) -> FusedEmbedder:
         """Face model v2: dlib ResNet and SFace, fused into one vector with the calibrated weights."""

@@ -23,7 +23,7 @@ from onnx import numpy_helper
 
 from models.arrays import to_rgb
 from models.errors import ModelFormatError
-from models.sessions import SessionOptions, create_session, fixed_run_size, run_padded
+from models.sessions import SessionOptions, SessionRunner, create_session, fixed_run_size, run_padded
 from models.types import DetectedFace
 
 STRIDES: tuple[int, ...] = (8, 16, 32)
@@ -237,7 +237,7 @@ def letterbox(image: np.ndarray, options: DetectorOptions) -> LetterboxedImage:
     )
 
 
-class FaceDetector:
+class FaceDetector(SessionRunner):
     def __init__(self, model_path: Path, options: DetectorOptions, session_options: SessionOptions) -> None:
         self.options = options
         try:
@@ -262,11 +262,6 @@ class FaceDetector:
         self._grid_x = np.concatenate(xs)
         self._grid_y = np.concatenate(ys)
         self._stride = np.concatenate(ss)
-
-    @property
-    def providers(self) -> list[str]:
-        """The providers this session was built with, in priority order (which nodes each runs: bench.gpu)."""
-        return list(self._session.get_providers())
 
     def prepare(self, image: np.ndarray) -> LetterboxedImage:
         return letterbox(image, self.options)

@@ -15,7 +15,7 @@ import numpy as np
 from models.calibration import FaceScoreCalibration
 from models.chips import CHIP_SIZE as SFACE_CHIP_SIZE
 from models.errors import ModelFormatError
-from models.sessions import SessionOptions, create_session, fixed_run_size, run_padded
+from models.sessions import SessionOptions, SessionRunner, create_session, fixed_run_size, run_padded
 
 # The served face model's version and vector size live in models.types (no model library behind them), so
 # the ingress can name the gallery's collection without loading the models; re-exported here.
@@ -36,7 +36,7 @@ SFACE_CHIP_SHAPE = (SFACE_CHIP_SIZE, SFACE_CHIP_SIZE, 3)
 _WARMUP_BATCH = 2
 
 
-class FaceEmbedder:
+class FaceEmbedder(SessionRunner):
     """128-d dlib face descriptors for batches of aligned 150x150 RGB chips."""
 
     def __init__(self, model_path: Path, options: SessionOptions) -> None:
@@ -51,11 +51,6 @@ class FaceEmbedder:
                 f"{inputs} -> {outputs}; regenerate it with `facesearch models fetch`"
             )
         self.model_path = model_path
-
-    @property
-    def providers(self) -> list[str]:
-        """The providers this session was built with, in priority order (which nodes each runs: bench.gpu)."""
-        return list(self._session.get_providers())
 
     def embed(self, chips: np.ndarray) -> np.ndarray:
         """[N,150,150,3] uint8 RGB chips -> float32 [N,128] descriptors (N may be 0)."""
@@ -72,7 +67,7 @@ class FaceEmbedder:
         return np.asarray(descriptors, dtype=np.float32)
 
 
-class SFaceEmbedder:
+class SFaceEmbedder(SessionRunner):
     """128-d SFace embeddings, L2-normalised, for batches of 112 px ArcFace-aligned RGB chips
     (models.chips); compare by inner product (cosine)."""
 
@@ -88,11 +83,6 @@ class SFaceEmbedder:
                 f"{inputs} -> {outputs}; regenerate it with `facesearch models fetch`"
             )
         self.model_path = model_path
-
-    @property
-    def providers(self) -> list[str]:
-        """The providers this session was built with, in priority order (which nodes each runs: bench.gpu)."""
-        return list(self._session.get_providers())
 
     def embed(self, chips: np.ndarray) -> np.ndarray:
         """[N,112,112,3] uint8 RGB chips -> float32 [N,128] unit vectors (N may be 0)."""

@@ -163,3 +163,14 @@ def run_padded(
         outputs = session.run(list(output_names), {input_name: _rows(rows, run_size)})
         runs.append([output[: len(rows)] for output in outputs])
     return [np.concatenate(parts) for parts in zip(*runs, strict=True)]
+
+
+class SessionRunner:
+    """What every runner built on one ONNX Runtime session answers about it."""
+
+    _session: ort.InferenceSession
+
+    @property
+    def providers(self) -> list[str]:
+        """The providers this session was built with, in priority order (which nodes each runs: bench.gpu)."""
+        return list(self._session.get_providers())

@@ -175,6 +175,11 @@ def _pairs_to_dict(flat: Sequence[Any]) -> dict[str, str]:
     return {text(flat[i]): text(flat[i + 1]) for i in range(0, len(flat), 2)}
 
 
+def _from_hash(reference_id: str, fields: Any) -> Transaction | None:
+    """A transaction from its hash as HGETALL returns it; None for an empty (missing) hash."""
+    return decode_transaction(reference_id, text_map(fields)) if fields else None
+
+
 class RedisTransactionStore:
     """TransactionStore and WorkQueue over one Redis client (decode_responses=True, see connect_redis)."""
 
@@ -267,7 +272,7 @@ class RedisTransactionStore:
             return None  # never issued, so never stored
         async with redis_errors():
             fields = await self._redis.hgetall(self._tx_key(reference_id))
-        return decode_transaction(reference_id, text_map(fields)) if fields else None
+        return _from_hash(reference_id, fields)
 
     async def mark_processing(self, reference_id: str) -> Transaction | None:
         async with redis_errors():
@@ -323,9 +328,7 @@ class RedisTransactionStore:
                     pipe.hgetall(self._tx_key(reference_id))
                 hashes = await pipe.execute() if entries else []
         return [
-            FinishedEntry(
-                entry_id, reference_id, decode_transaction(reference_id, text_map(raw)) if raw else None
-            )
+            FinishedEntry(entry_id, reference_id, _from_hash(reference_id, raw))
             for (entry_id, reference_id), raw in zip(entries, hashes, strict=True)
         ]
 
@@ -368,7 +371,7 @@ class RedisTransactionStore:
                     break
         if fields is None:
             return await self.get(reference_id)  # no time left to wait at all
-        return decode_transaction(reference_id, text_map(fields)) if fields else None
+        return _from_hash(reference_id, fields)
 
     async def image_keys_in_flight(self) -> set[str]:
         """Blob keys of the uploads of transactions still on the queue: reconciliation keeps them."""
