@@ -10,48 +10,32 @@ user_config.BatchConfig.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
-from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 from ray import serve
 
 from models.analyzer import ModelConfig
 from models.runners import BatchRunner, Stage, load_runner
+from serve_app.deployments.batch_merging import BatchMerger
+from serve_app.deployments.lanes import InferenceLane
 from serve_app.deployments.metrics import ModelMetrics
 from serve_app.deployments.user_config import BatchConfig
 
 logger = logging.getLogger(__name__)
-_Result = TypeVar("_Result")
 
-
-class InferenceLane:
-    """Runs a replica's blocking inference in worker threads, at most `runs` calls at a time.
-
-    Off the event loop, the replica keeps receiving requests while a batch computes, so the next batch is
-    assembled in the meantime instead of after it (ONNX Runtime releases the GIL while it runs). Health
-    checks take a place in the lane like a batch. ONNX Runtime sessions and dlib's predictor may be called
-    from several threads at once, so `runs` > 1 only needs the cores: on a small CPU box two single-threaded
-    runs keep both cores busy through the parts of a batch that one thread does alone (dlib's landmarks,
-    the chips, NMS), which intra-op threads cannot share (docs/performance.md)."""
-
-    def __init__(self, runs: int = 1) -> None:
-        if runs < 1:
-            raise ValueError(f"an inference lane needs at least one run at a time, got {runs}")
-        self._places = asyncio.Semaphore(runs)
-
-    async def run(self, function: Callable[..., _Result], *args: Any) -> _Result:
-        async with self._places:
-            return await asyncio.to_thread(function, *args)
+# Serve's batch queue hands a closed batch to the handler only while fewer than its max_concurrent_batches
+# are in the handler. The lane, not Serve, limits the runs here, and BatchMerger can only merge the batches
+# it has been handed: so Serve's limit is far above anything that waits in a worker at once.
+_BATCHES_HANDED_OVER = 256
 
 
 class RunnerBatcher:
     """A model runner behind serve.batch: calls from concurrent requests are gathered into one run (sizes
     from BatchConfig, changeable live), which runs off the event loop. Used by the model deployments and,
-    on one machine, inside the transaction worker. Up to `concurrent_batches` batches run at once (fixed for
-    the replica's life: Serve's batch queue takes it when it is created)."""
+    on one machine, inside the transaction worker. Up to `concurrent_batches` runs at once (the lane's
+    places, fixed for the replica's life); batches that wait for a place are merged into one run when a
+    place frees up (BatchMerger), up to max_batch_size requests."""
 
     def __init__(
         self, stage: Stage, model_config: dict[str, Any] | None = None, concurrent_batches: int = 1
@@ -60,8 +44,11 @@ class RunnerBatcher:
         self._lane = InferenceLane(concurrent_batches)
         self._metrics = ModelMetrics(stage)
         self._batch = BatchConfig()
-        # Built per instance, since the number of concurrent batches is the instance's own.
-        self._batched = serve.batch(max_concurrent_batches=concurrent_batches)(self._run_batch)
+        self._merger: BatchMerger[Any, Any] = BatchMerger(
+            self._lane, self._run_items, lambda: self._batch.max_batch_size, self._observe
+        )
+        # Built per instance: a module-level serve.batch would share one queue between instances.
+        self._batched = serve.batch(max_concurrent_batches=_BATCHES_HANDED_OVER)(self._merger.run)
         self.configure(self._batch)
 
     def configure(self, batch: BatchConfig) -> None:
@@ -73,11 +60,12 @@ class RunnerBatcher:
         """One item's output; the item joins whichever batch is being gathered."""
         return await self._batched(item)
 
-    async def _run_batch(self, items: list[Any]) -> list[Any]:
-        started = time.perf_counter()
-        outputs = await self._lane.run(self._runner.run, items, self._batch.max_faces_per_run)
-        self._metrics.observe_batch(len(items), sum(map(len, outputs)), time.perf_counter() - started)
+    def _run_items(self, items: list[Any]) -> list[Any]:
+        outputs: list[Any] = self._runner.run(items, self._batch.max_faces_per_run)
         return outputs
+
+    def _observe(self, requests: int, outputs: list[Any], seconds: float) -> None:
+        self._metrics.observe_batch(requests, sum(map(len, outputs)), seconds)
 
     async def check(self) -> None:
         await self._lane.run(self._runner.check)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from serve_app.deployments.models import InferenceLane
+from serve_app.deployments.lanes import InferenceLane
 
 
 @pytest.mark.parametrize("runs", [1, 2])
