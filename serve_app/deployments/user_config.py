@@ -18,7 +18,10 @@ class BatchConfig(Strict):
     """A model deployment's user_config: batching, changeable on running replicas."""
 
     max_batch_size: int = Field(16, ge=1)
-    batch_wait_timeout_s: float = Field(0.005, ge=0)
+    # How long Serve holds a batch open for more arrivals. Batches that wait for a busy lane run as one
+    # anyway (batch_merging), so on CPU a wait only adds latency: 0 (measured in docs/performance.md). The
+    # GPU config sets its own.
+    batch_wait_timeout_s: float = Field(0.0, ge=0)
     # Chips per ONNX run: a batch of requests is cut into runs of this many faces.
     max_faces_per_run: int = Field(64, ge=1)
 
