@@ -52,9 +52,8 @@ class BatchMerger(Generic[Item, Output]):
         self._runs: set[asyncio.Task[None]] = set()
 
     async def run(self, items: Sequence[Item]) -> list[Output]:
-        """The outputs of `items`, in order. A caller that is cancelled while its batch waits takes the
-        batch out of the queue; one cancelled while its batch runs leaves the run to finish for the others.
-        """
+        """The outputs of `items`, in order. The batch of a caller cancelled while it waits is left out
+        of the next run; one cancelled while its batch runs leaves the run to finish for the others."""
         if not items:
             return []
         waiting: _Waiting[Item, Output] = _Waiting(items)
@@ -104,14 +103,14 @@ class BatchMerger(Generic[Item, Output]):
                 if not waiting.answer.done():
                     waiting.answer.set_exception(error)
             return
-        if self._observe is not None:
-            self._observe(len(items), outputs, loop.time() - started)
         start = 0
         for waiting in taken:
             end = start + len(waiting.items)
             if not waiting.answer.done():
                 waiting.answer.set_result(outputs[start:end])
             start = end
+        if self._observe is not None:  # after the answers: a metrics failure must not hold the callers
+            self._observe(len(items), outputs, loop.time() - started)
 
     def _finished(self, task: asyncio.Task[None]) -> None:
         self._runs.discard(task)
