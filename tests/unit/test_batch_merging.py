@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Awaitable, Callable
 
 import pytest
 
 from serve_app.deployments.batch_merging import BatchMerger
 from serve_app.deployments.lanes import InferenceLane
+from tests.unit.fakes import wait_until
 
 
 class GatedRunner:
@@ -43,14 +43,6 @@ class GatedRunner:
                 self.running -= 1
 
 
-async def until(condition: Callable[[], bool]) -> None:
-    """Polls while the runner's threads get going: the event loop stays free meanwhile."""
-    deadline = time.monotonic() + 30
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.001)
-
-
 def scenario(
     runner: GatedRunner, runs: int, max_items: int, body: Callable[[BatchMerger[int, int]], Awaitable[object]]
 ) -> object:
@@ -75,7 +67,7 @@ async def _hold_the_lane(merger: BatchMerger[int, int], runner: GatedRunner) -> 
     """Starts a run of [0] and waits until it holds the lane's one place (its thread waits at the gate)."""
     runner.gate.clear()
     first = asyncio.create_task(merger.run([0]))
-    await until(lambda: len(runner.calls) == 1)
+    await wait_until(lambda: len(runner.calls) == 1, timeout_s=30, what="the first run")
     return first
 
 
@@ -115,7 +107,7 @@ def test_runs_never_exceed_the_lanes_places() -> None:
     async def body(merger: BatchMerger[int, int]) -> object:
         runner.gate.clear()
         tasks = [asyncio.create_task(merger.run([item])) for item in range(6)]
-        await until(lambda: len(runner.calls) == 2)
+        await wait_until(lambda: len(runner.calls) == 2, timeout_s=30, what="two runs")
         await asyncio.sleep(0.01)  # a merger that started a third run would have done so by now
         runner.gate.set()
         return [await task for task in tasks]
