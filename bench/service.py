@@ -10,8 +10,11 @@ age crops, at 1, 8 and 32 concurrent clients, with throughput, its share of the 
 photos, and p50/p95/p99 latency.
 
     python -m bench.service [--requests 64] [--topology in_process split] [--concurrency 1 8 32]
+                            [--client aiohttp|sdk]
 
 With both topologies (the default) each gets a fresh service in turn, and the one table compares them.
+The clients are the SDK (facesearch_client) sending over aiohttp, which leaves the service more of the
+shared cores than the SDK's httpx (bench.load_client); --client sdk measures through httpx.
 
 The service is started on 127.0.0.1 with embedded Redis and milvus-lite in a temporary directory and shut
 down at the end. Each phase is bounded by --requests and --phase-timeout.
@@ -33,10 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import aiohttp
 import httpx
 import numpy as np
 
 from bench.common import format_table, load_image
+from bench.load_client import AiohttpFaceSearchClient
 from facesearch_client import AsyncFaceSearchClient, Pending, RetryPolicy
 from serve_app.launch.deploy_config import load_serve_config
 from tests.faces_dev import REPO_ROOT, load_faces_dev
@@ -188,11 +193,26 @@ class ServiceCalls:
         )
 
 
+CLIENT_CHOICES = ("aiohttp", "sdk")
+
+
 @contextlib.asynccontextmanager
-async def client_pool(base_url: str, token: str) -> AsyncIterator[AsyncFaceSearchClient]:
-    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-    async with httpx.AsyncClient(base_url=base_url, timeout=60, limits=limits) as http:
-        yield AsyncFaceSearchClient(token=token, http=http, retry=RetryPolicy(max_retries=0))
+async def client_pool(base_url: str, token: str, kind: str) -> AsyncIterator[AsyncFaceSearchClient]:
+    """The benchmark's clients: the SDK with no retries, sending over aiohttp (the lighter load generator,
+    see bench.load_client) or over its own httpx ("sdk"); up to 64 connections either way."""
+    no_retries = RetryPolicy(max_retries=0)
+    if kind == "sdk":
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+        async with httpx.AsyncClient(base_url=base_url, timeout=60, limits=limits) as http:
+            yield AsyncFaceSearchClient(token=token, http=http, retry=no_retries)
+        return
+    connector = aiohttp.TCPConnector(limit=64)
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with (
+        aiohttp.ClientSession(base_url, connector=connector, timeout=timeout) as session,
+        AiohttpFaceSearchClient(session, token=token, retry=no_retries) as client,
+    ):
+        yield client
 
 
 async def service_rows(
@@ -205,7 +225,7 @@ async def service_rows(
 ) -> list[list[str]]:
     """in_process: the pipeline's images/s on the same photos ("faces", "ages"), for the ratio column."""
     rows: list[list[str]] = []
-    async with client_pool(base_url, token) as client:
+    async with client_pool(base_url, token, args.client) as client:
         calls = ServiceCalls(client, faces, ages, args.phase_timeout)
         await run_phase(calls.search, 8, 4, args.phase_timeout)  # warm-up: replicas, connections, Milvus
         for name, (call, workload) in calls.by_name().items():
@@ -240,7 +260,7 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--phase-timeout", type=float, default=300.0)
-    add_ingress_argument(parser)
+    add_service_arguments(parser)
     args = parser.parse_args()
 
     dev = load_faces_dev()
@@ -293,13 +313,21 @@ def main() -> None:
 INGRESS_CHOICES = ("shipped", "proxy", "direct")
 
 
-def add_ingress_argument(parser: argparse.ArgumentParser) -> None:
+def add_service_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the benchmark reaches the service: --ingress and --client."""
     parser.add_argument(
         "--ingress",
         default="shipped",
         choices=INGRESS_CHOICES,
         help="how requests reach the ingress: through Serve's HTTP proxy, straight to the ingress replica's "
         "own server (direct ingress), or as the topology's shipped config says (direct for in_process)",
+    )
+    parser.add_argument(
+        "--client",
+        default="aiohttp",
+        choices=CLIENT_CHOICES,
+        help="the clients' HTTP transport: aiohttp (the lighter load generator, bench.load_client) or the "
+        "SDK's own httpx",
     )
 
 

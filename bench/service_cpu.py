@@ -30,7 +30,7 @@ from bench.common import format_table
 from bench.service import (
     InProcessRate,
     ServiceCalls,
-    add_ingress_argument,
+    add_service_arguments,
     benchmarked_service,
     client_pool,
     in_process_rate,
@@ -91,7 +91,7 @@ async def measure(
     columns: dict[str, dict[str, float]] = {}
     rates: dict[str, float] = {}
     kinds: dict[str, str] = {}
-    async with client_pool(base_url, token) as client:
+    async with client_pool(base_url, token, args.client) as client:
         calls = ServiceCalls(client, faces, ages, args.phase_timeout)
         await run_phase(calls.search, 8, 4, args.phase_timeout)  # warm-up
         for name, (call, workload) in calls.by_name().items():
@@ -152,7 +152,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--phase-timeout", type=float, default=300.0)
-    add_ingress_argument(parser)
+    add_service_arguments(parser)
     args = parser.parse_args()
     dev = load_faces_dev()
     workloads = {

@@ -34,7 +34,7 @@ from pathlib import Path
 from bench.common import format_table
 from bench.service import (
     ServiceCalls,
-    add_ingress_argument,
+    add_service_arguments,
     benchmarked_service,
     client_pool,
     ingress_label,
@@ -107,7 +107,7 @@ async def load(base_url: str, token: str, call_name: str, args: argparse.Namespa
     dev = load_faces_dev()
     faces = [image.path for image in dev.of_kind("identity")]
     ages = [image.path for image in dev.of_kind("age")]
-    async with client_pool(base_url, token) as client:
+    async with client_pool(base_url, token, args.client) as client:
         calls = ServiceCalls(client, faces, ages, args.phase_timeout)
         await run_phase(calls.search, 8, 4, args.phase_timeout)  # warm-up
         call, _ = calls.by_name()[call_name]
@@ -166,7 +166,7 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--phase-timeout", type=float, default=300.0)
-    add_ingress_argument(parser)
+    add_service_arguments(parser)
     args = parser.parse_args()
     with (
         tempfile.TemporaryDirectory(prefix="facesearch-bench-") as data_dir,

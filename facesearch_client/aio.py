@@ -76,20 +76,24 @@ class AsyncFaceSearchClient:
     async def _attempts(self, call: Call, headers: dict[str, str]) -> httpx.Response:
         retries = 0
         while True:
-            response = await self._http.request(
-                call.method,
-                call.path,
-                json=call.json,
-                data=call.data,
-                files=call.files,
-                params=call.params,
-                headers={**call.headers, **headers},
-            )
+            response = await self._exchange(call, {**call.headers, **headers})
             delay = self.retry.delay(response, retries)
             if delay is None:
                 return response
             retries += 1
             await self._sleep(delay)
+
+    async def _exchange(self, call: Call, headers: dict[str, str]) -> httpx.Response:
+        """One HTTP request and its answer: the only place that touches the transport."""
+        return await self._http.request(
+            call.method,
+            call.path,
+            json=call.json,
+            data=call.data,
+            files=call.files,
+            params=call.params,
+            headers=headers,
+        )
 
     async def login(self) -> None:
         self.session.accept_login(await self._attempts(self.session.login_call(), {}))

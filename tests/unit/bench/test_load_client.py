@@ -1,0 +1,102 @@
+"""bench.load_client against a real HTTP server on 127.0.0.1 answering from test_client's scripted service:
+the SDK's behaviour (login, retries, polling, parsing) and its requests must come through the aiohttp
+transport unchanged."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import aiohttp
+import httpx
+from aiohttp import web
+
+from bench.load_client import AiohttpFaceSearchClient
+from facesearch_client import AgeResult, FaceSearchResult, Pending
+from tests.unit.test_client import CLIENT_ID, REF, SEARCH_DATA, SECRET, Service, envelope, error
+
+
+@asynccontextmanager
+async def serving(service: Service) -> AsyncIterator[str]:
+    """The scripted service behind an aiohttp server on 127.0.0.1; yields its base URL."""
+
+    async def answer(request: web.Request) -> web.Response:
+        scripted = service(
+            httpx.Request(
+                request.method,
+                str(request.url),
+                headers=list(request.raw_headers),
+                content=await request.read(),
+            )
+        )
+        headers = {key: value for key, value in scripted.headers.items() if key != "content-length"}
+        return web.Response(status=scripted.status_code, body=scripted.content, headers=headers)
+
+    app = web.Application()
+    app.router.add_route("*", "/{path:.*}", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+def test_the_sdk_behaves_the_same_over_aiohttp() -> None:
+    async def scenario() -> None:
+        service = Service()
+        slept: list[float] = []
+
+        async def sleep(seconds: float) -> None:
+            slept.append(seconds)
+
+        async with (
+            serving(service) as base_url,
+            aiohttp.ClientSession(base_url) as session,
+            AiohttpFaceSearchClient(session, client_id=CLIENT_ID, client_secret=SECRET, sleep=sleep) as api,
+        ):
+            service.queue(
+                "/face-search",
+                httpx.Response(503, json=error("down"), headers={"Retry-After": "2"}),
+                httpx.Response(200, json=envelope({"reference_id": REF})),
+            )
+            service.queue(
+                "/result",
+                httpx.Response(401, json=error("expired")),
+                httpx.Response(202, json=envelope({"reference_id": REF, "state": "queued"})),
+                httpx.Response(200, json=envelope(SEARCH_DATA)),
+            )
+            result = await api.search(b"\xff\xd8 jpeg", client_reference="customer-1", as_json=True)
+            assert isinstance(result, FaceSearchResult) and result.reference_id == REF
+            assert result.is_face_found and result.matches[0].client_reference == "customer-9"
+            assert slept == [2.0] and service.logins == 2
+            created = service.sent("/face-search")[-1]
+            assert created.headers["authorization"] == "Bearer token-1"
+            assert created.headers["content-type"] == "application/json"
+            body = json.loads(created.content)
+            assert body["type"] == "face_search" and body["client_reference"] == "customer-1"
+            assert body["file"].startswith("data:image/jpeg;base64,")
+            assert [poll.headers["prefer"] for poll in service.sent("/result")] == ["wait=10"] * 3
+
+            service.queue(
+                "/result", httpx.Response(202, json=envelope({"reference_id": REF, "state": "queued"}))
+            )
+            assert await api.result(REF, wait_s=2) == Pending(REF, "queued")
+
+            age = {"reference_id": REF, "age": 34, "under_18": 0, "under_21": 0}
+            service.queue("/age-estimation", httpx.Response(200, json=envelope(age)))
+            assert await api.age_estimation(b"\xff\xd8 jpeg", enroll_face=False) == AgeResult(
+                REF, 34, 0, 0, raw=age
+            )
+            upload = service.sent("/age-estimation")[0]
+            assert upload.headers["content-type"].startswith("multipart/form-data")
+            for part in (b'name="wait_for_result"\r\n\r\n1', b'name="enroll_face"\r\n\r\n0'):
+                assert part in upload.content
+            assert b'filename="image.jpg"' in upload.content and b"\xff\xd8 jpeg" in upload.content
+
+    asyncio.run(scenario())
