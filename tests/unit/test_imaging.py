@@ -403,3 +403,65 @@ def test_exif_orientation_holds_for_a_jpeg_decoded_reduced(monkeypatch: pytest.M
     assert seen == [(2000, 1000)]  # decoded at 1/2, after the rotation
     assert pixels.shape == (1920, 960, 3)
     assert close(pixels[-20, 480], BLUE) and not close(pixels[20, 480], BLUE)
+
+
+def _plain_jpeg_path(monkeypatch: pytest.MonkeyPatch, *, enabled: bool = True) -> list[bool]:
+    """Spy on (or switch off) the OpenCV path of decode_image; records whether each call decoded."""
+    import serve_app.imaging.decode as decode_module
+
+    taken: list[bool] = []
+    original = decode_module._decode_plain_jpeg
+
+    def spy(data: bytes, image: Image.Image, scale: int) -> np.ndarray | None:
+        pixels = original(data, image, scale) if enabled else None
+        taken.append(pixels is not None)
+        return pixels
+
+    monkeypatch.setattr(decode_module, "_decode_plain_jpeg", spy)
+    return taken
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+@pytest.mark.parametrize(
+    ("size", "max_side", "mode"),
+    [
+        ((160, 120), None, "RGB"),  # decoded whole
+        ((1600, 1200), 700, "RGB"),  # 1/2
+        ((1600, 1200), 400, "RGB"),  # 1/4
+        ((1600, 1200), 200, "L"),  # 1/8, grayscale
+    ],
+)
+def test_opencv_decodes_a_plain_jpeg_to_pillows_pixels(
+    orientation: int, size: tuple[int, int], max_side: int | None, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plain-JPEG path (OpenCV) must be the one such a file takes, and give exactly what Pillow gives,
+    EXIF orientation and libjpeg's reduced scales included."""
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    image = two_halves(size) if mode == "RGB" else _noise(size, "L")
+    data = image_bytes(image, "JPEG", exif=exif)
+    taken = _plain_jpeg_path(monkeypatch)
+    fast = decode(data, max_side=max_side)
+    assert taken == [True]
+    _plain_jpeg_path(monkeypatch, enabled=False)
+    assert np.array_equal(fast, decode(data, max_side=max_side))
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["cmyk", "trailing bytes", "cut short"],
+)
+def test_other_jpegs_are_left_to_pillow(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    plain = image_bytes(_noise((64, 48)), "JPEG")
+    data = {
+        "cmyk": image_bytes(_noise((64, 48), "CMYK"), "JPEG"),
+        "trailing bytes": plain + b"trailer",
+        "cut short": plain[: len(plain) * 2 // 3],
+    }[name]
+    taken = _plain_jpeg_path(monkeypatch)
+    if name == "cut short":
+        with pytest.raises(ValidationFailed):  # Pillow's refusal, whatever OpenCV would make of it
+            decode_image(data, LIMIT)
+    else:
+        assert decode(data).shape == (48, 64, 3)
+    assert taken == [False]
