@@ -267,6 +267,22 @@ def test_requests_are_shaped_as_the_interface_says(tmp_path: Any) -> None:
     assert getattr(raised.value, "errors", None) == {"client_reference": "length"}
 
 
+def queue_a_search_through_an_outage_and_an_expiry(service: Service) -> None:
+    """A face search answered 503 (Retry-After: 2) once, then a result poll answered 401 (a new login),
+    202 and the result."""
+    service.queue(
+        "/face-search",
+        httpx.Response(503, json=error("down"), headers={"Retry-After": "2"}),
+        httpx.Response(200, json=envelope({"reference_id": REF})),
+    )
+    service.queue(
+        "/result",
+        httpx.Response(401, json=error("expired")),
+        httpx.Response(202, json=envelope({"reference_id": REF, "state": "queued"})),
+        httpx.Response(200, json=envelope(SEARCH_DATA)),
+    )
+
+
 def test_async_client_does_the_same() -> None:
     async def scenario() -> None:
         service = Service()
@@ -279,17 +295,7 @@ def test_async_client_does_the_same() -> None:
         async with AsyncFaceSearchClient(
             client_id=CLIENT_ID, client_secret=SECRET, http=http, sleep=sleep
         ) as api:
-            service.queue(
-                "/face-search",
-                httpx.Response(503, json=error("down"), headers={"Retry-After": "2"}),
-                httpx.Response(200, json=envelope({"reference_id": REF})),
-            )
-            service.queue(
-                "/result",
-                httpx.Response(401, json=error("expired")),
-                httpx.Response(202, json=envelope({"reference_id": REF, "state": "queued"})),
-                httpx.Response(200, json=envelope(SEARCH_DATA)),
-            )
+            queue_a_search_through_an_outage_and_an_expiry(service)
             result = await api.search(b"\xff\xd8 jpeg", client_reference="customer-1")
             assert isinstance(result, FaceSearchResult) and result.reference_id == REF
             assert slept == [2.0]

@@ -15,7 +15,14 @@ from aiohttp import web
 
 from bench.load_client import AiohttpFaceSearchClient
 from facesearch_client import AgeResult, FaceSearchResult, Pending
-from tests.unit.test_client import CLIENT_ID, REF, SEARCH_DATA, SECRET, Service, envelope, error
+from tests.unit.test_client import (
+    CLIENT_ID,
+    REF,
+    SECRET,
+    Service,
+    envelope,
+    queue_a_search_through_an_outage_and_an_expiry,
+)
 
 
 @asynccontextmanager
@@ -60,17 +67,7 @@ def test_the_sdk_behaves_the_same_over_aiohttp() -> None:
             aiohttp.ClientSession(base_url) as session,
             AiohttpFaceSearchClient(session, client_id=CLIENT_ID, client_secret=SECRET, sleep=sleep) as api,
         ):
-            service.queue(
-                "/face-search",
-                httpx.Response(503, json=error("down"), headers={"Retry-After": "2"}),
-                httpx.Response(200, json=envelope({"reference_id": REF})),
-            )
-            service.queue(
-                "/result",
-                httpx.Response(401, json=error("expired")),
-                httpx.Response(202, json=envelope({"reference_id": REF, "state": "queued"})),
-                httpx.Response(200, json=envelope(SEARCH_DATA)),
-            )
+            queue_a_search_through_an_outage_and_an_expiry(service)
             result = await api.search(b"\xff\xd8 jpeg", client_reference="customer-1", as_json=True)
             assert isinstance(result, FaceSearchResult) and result.reference_id == REF
             assert result.is_face_found and result.matches[0].client_reference == "customer-9"
