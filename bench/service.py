@@ -76,8 +76,9 @@ def in_process_rate(
 ) -> InProcessRate:
     """The transaction's own work with no service around it: decode the uploaded bytes exactly as the
     worker does (serve_app.imaging.decode with the service's limits), then run the models the transaction
-    needs, in batches of 16 as the batched deployment does. Best of `rounds`. `config` replaces the model
-    config (default: `threads` intra-op threads)."""
+    needs, in batches of 16 (no run of the CPU worker is larger, so the baseline has every saving that
+    batching gives). Best of `rounds`. `config` replaces the model config (default: `threads` intra-op
+    threads)."""
     from models.analyzer import ModelConfig, load_face_analyzer
     from serve_app.imaging.decode import decode_image
     from serve_app.settings import Settings
