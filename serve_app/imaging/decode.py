@@ -112,9 +112,12 @@ def _decode_plain_jpeg(data: bytes, image: Image.Image, scale: int) -> np.ndarra
         4: cv2.IMREAD_REDUCED_GRAYSCALE_4,
         8: cv2.IMREAD_REDUCED_GRAYSCALE_8,
     }
-    pixels: np.ndarray | None = cv2.imdecode(
-        np.frombuffer(data, dtype=np.uint8), cv2.IMREAD_COLOR_RGB | reduced[scale]
-    )
+    try:
+        pixels: np.ndarray | None = cv2.imdecode(
+            np.frombuffer(data, dtype=np.uint8), cv2.IMREAD_COLOR_RGB | reduced[scale]
+        )
+    except cv2.error:
+        return None  # Pillow decides, with the API's errors
     # OpenCV applies the EXIF orientation itself; the picture must come out the size Pillow's would.
     width, height = image.size
     swapped = image.getexif().get(ExifTags.Base.Orientation) in _SWAPPING_ORIENTATIONS

@@ -465,3 +465,14 @@ def test_other_jpegs_are_left_to_pillow(name: str, monkeypatch: pytest.MonkeyPat
     else:
         assert decode(data).shape == (48, 64, 3)
     assert taken == [False]
+
+
+def test_an_opencv_failure_leaves_the_file_to_pillow(monkeypatch: pytest.MonkeyPatch) -> None:
+    import cv2
+
+    def refuse(*args: object) -> None:
+        raise cv2.error("refused")
+
+    monkeypatch.setattr(cv2, "imdecode", refuse)
+    pixels = decode(image_bytes(two_halves(), "JPEG"))
+    assert pixels.shape == (20, 40, 3) and close(pixels[10, 5], RED) and close(pixels[10, 35], BLUE)
