@@ -20,8 +20,8 @@ class BatchConfig(Strict):
     # Also the most requests a merged run takes (batch_merging). The defaults are the CPU's (the GPU config
     # sets its own): one thread's model CPU per image stops falling at about 3 requests a run, and a larger
     # merged run holds all its callers until its last face is done while the other lane may sit idle.
-    # 4 instead of 16: face search +2-4% at 8 clients, age +5-9%, p95 at 32 clients 1.0-1.05 s instead of
-    # 1.13-1.20 (docs/performance.md).
+    # 4 instead of 16: face search +2-4% at 8 clients, age +1-9%, face search p95 at 32 clients 1.0-1.05 s
+    # instead of 1.13-1.20 (docs/performance.md).
     max_batch_size: int = Field(4, ge=1)
     # How long Serve holds a batch open for more arrivals. Batches that wait for a busy lane run as one
     # anyway (batch_merging), so on CPU a wait only adds latency: 0 (measured in docs/performance.md). The
