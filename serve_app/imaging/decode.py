@@ -167,11 +167,9 @@ def _draft(image: Image.Image, scale: int) -> int:
     width, height = image.size
     if scale <= 1 or image.format not in ("JPEG", "MPO"):
         return 1
-    image.draft(None, (max(1, width // scale), max(1, height // scale)))
-    # Pillow rounds the reduced size up: the chosen scale is the one that gives the new width.
-    return next(
-        s for s in (8, 4, 2, 1) if -(-width // s) == image.size[0] and -(-height // s) == image.size[1]
-    )
+    drafted = image.draft(None, (max(1, width // scale), max(1, height // scale)))
+    # Pillow answers with the original picture's box in the reduced one's coordinates: width / scale.
+    return 1 if drafted is None else round(width / drafted[1][2])
 
 
 @contextlib.contextmanager
