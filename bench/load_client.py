@@ -25,8 +25,9 @@ class AiohttpFaceSearchClient(AsyncFaceSearchClient):
     limits are the caller's); answers are handed back as httpx responses, so the SDK reads them unchanged."""
 
     def __init__(self, http: aiohttp.ClientSession, **options: Any) -> None:
-        """options: AsyncFaceSearchClient's (credentials, retry, clock, sleep), all but its httpx client."""
-        super().__init__(**options, http=httpx.AsyncClient())
+        """options: AsyncFaceSearchClient's (credentials, retry, clock, sleep), all but its httpx client,
+        which it then makes, never uses and closes."""
+        super().__init__(**options)
         self._aiohttp = http
 
     async def _exchange(self, call: Call, headers: dict[str, str]) -> httpx.Response:
