@@ -170,7 +170,8 @@ class ConvertedSpec:
 # 2: ReLU6 as one Clip (model_build.faceres).
 FACERES_CONVERTER_REVISION = 2
 # 2: PRelu rewritten without PRelu (model_build.sface).
-SFACE_CONVERTER_REVISION = 2
+# 3: the PRelus after cheap convolutions run as two convolutions (model_build.sface).
+SFACE_CONVERTER_REVISION = 3
 
 
 def _faceres_file_name() -> str:
@@ -191,7 +192,7 @@ CONVERTED: dict[str, ConvertedSpec] = {
         ConvertedSpec(
             name="sface_2021dec_int8bq",
             file_name=f"sface_2021dec_int8bq-fp32-r{SFACE_CONVERTER_REVISION}-{WEIGHTS['sface_2021dec_int8bq'].sha256[:16]}.onnx",
-            sha256="eac55c2b8ef209f0acd8b4f2a5c4fd72961177a670e8262e8916ed6a503ffc7a",
+            sha256="ab02ccbb1fdf9ba2c0d804fdfaa381965fe982633503d2331ee0435c44c0f9c1",
             built_from=WEIGHTS["sface_2021dec_int8bq"].relative_path,
         ),
         ConvertedSpec(

@@ -22,6 +22,7 @@ from models.calibration import FaceScoreCalibration
 from models.detector import DetectorOptions
 from models.embedder import FUSED_DIM
 from models.types import AnalyzedFace, DetectedFace, subject_index
+from models.weights import default_models_dir
 from tests.faces_dev import FacesDev, LabelledImage
 
 EXIF_ORIENTATION = 0x0112
@@ -233,10 +234,12 @@ def test_largest_face_picks_the_biggest_box() -> None:
 
 
 def test_model_config_from_dict() -> None:
+    # A directory that holds the converted models (the age estimator is loaded from it below).
+    models_dir = default_models_dir()
     config = ModelConfig.from_dict(
         {
             "intra_op_threads": 2,
-            "models_dir": "/tmp/models",
+            "models_dir": str(models_dir),
             "provider_preference": ["CPUExecutionProvider"],
             "detector": {"score_threshold": 0.7},
             "age_bands": {
@@ -248,7 +251,7 @@ def test_model_config_from_dict() -> None:
         }
     )
     assert config.intra_op_threads == 2
-    assert config.models_dir == Path("/tmp/models")
+    assert config.models_dir == models_dir
     assert config.provider_preference == ("CPUExecutionProvider",)
     assert config.detector == DetectorOptions(score_threshold=0.7)
     assert config.age_bands == AgeBands(15.0, 40.0, 18.0, 42.0)
