@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,8 +88,17 @@ def decode_image(data: bytes, max_pixels: int, max_side: int | None = None) -> D
     return DecodedImage(pixels=pixels, format=image_format)
 
 
-# EXIF orientations that swap width and height (transpose, rotate 90, transverse, rotate 270).
-_SWAPPING_ORIENTATIONS = (5, 6, 7, 8)
+# What ImageOps.exif_transpose does for each EXIF orientation, as a NumPy view of [H, W, C] pixels. Any
+# other value (a malformed tag: out of range, or not an integer) leaves the picture as stored, as Pillow does.
+_ORIENTATIONS: dict[object, Callable[[np.ndarray], np.ndarray]] = {
+    2: lambda pixels: pixels[:, ::-1],  # FLIP_LEFT_RIGHT
+    3: lambda pixels: pixels[::-1, ::-1],  # ROTATE_180
+    4: lambda pixels: pixels[::-1],  # FLIP_TOP_BOTTOM
+    5: lambda pixels: pixels.transpose(1, 0, 2),  # TRANSPOSE
+    6: lambda pixels: np.rot90(pixels, -1),  # ROTATE_270 (counter-clockwise)
+    7: lambda pixels: pixels[::-1, ::-1].transpose(1, 0, 2),  # TRANSVERSE
+    8: lambda pixels: np.rot90(pixels, 1),  # ROTATE_90
+}
 
 
 def _decode_plain_jpeg(data: bytes, image: Image.Image, scale: int) -> np.ndarray | None:
@@ -100,7 +109,9 @@ def _decode_plain_jpeg(data: bytes, image: Image.Image, scale: int) -> np.ndarra
     photo. The pixels are the same to the bit (all 3,344 JPEGs of faces-dev, faces-calib and faces-wild;
     the tests hold it for every reduced scale and EXIF orientation). `image` is the opened file, not yet
     loaded. Only a YCbCr or grayscale JPEG whose data ends in the end-of-image marker takes this path, so a
-    CMYK, multi-picture or truncated file, or anything OpenCV refuses, is decoded (or refused) by Pillow."""
+    CMYK, multi-picture or truncated file, or anything OpenCV refuses, is decoded (or refused) by Pillow.
+    The orientation is Pillow's reading of the EXIF tag on both paths: OpenCV reads a malformed tag (one
+    stored as a byte, say) that Pillow ignores, so its own rotation is switched off."""
     if image.format != "JPEG" or image.mode not in ("RGB", "L") or not data.endswith(b"\xff\xd9"):
         return None
     import cv2  # not at module level: see _shrink
@@ -112,19 +123,16 @@ def _decode_plain_jpeg(data: bytes, image: Image.Image, scale: int) -> np.ndarra
         4: cv2.IMREAD_REDUCED_GRAYSCALE_4,
         8: cv2.IMREAD_REDUCED_GRAYSCALE_8,
     }
+    flags = cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION | reduced[scale]
     try:
-        pixels: np.ndarray | None = cv2.imdecode(
-            np.frombuffer(data, dtype=np.uint8), cv2.IMREAD_COLOR_RGB | reduced[scale]
-        )
+        pixels: np.ndarray | None = cv2.imdecode(np.frombuffer(data, dtype=np.uint8), flags)
     except cv2.error:
         return None  # Pillow decides, with the API's errors
-    # OpenCV applies the EXIF orientation itself; the picture must come out the size Pillow's would.
-    width, height = image.size
-    swapped = image.getexif().get(ExifTags.Base.Orientation) in _SWAPPING_ORIENTATIONS
-    expected = (width, height) if swapped else (height, width)
-    if pixels is None or pixels.shape != (*expected, 3):
+    width, height = image.size  # after draft(): the reduced size
+    if pixels is None or pixels.shape != (height, width, 3):
         return None
-    return pixels
+    orient = _ORIENTATIONS.get(image.getexif().get(ExifTags.Base.Orientation))
+    return np.ascontiguousarray(orient(pixels)) if orient is not None else pixels
 
 
 def _shrink(pixels: np.ndarray, max_side: int) -> np.ndarray:

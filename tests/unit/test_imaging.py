@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import struct
 import zlib
 
 import numpy as np
@@ -445,6 +446,28 @@ def test_opencv_decodes_a_plain_jpeg_to_pillows_pixels(
     assert taken == [True]
     _plain_jpeg_path(monkeypatch, enabled=False)
     assert np.array_equal(fast, decode(data, max_side=max_side))
+
+
+def _with_byte_orientation(jpeg: bytes, orientation: int) -> bytes:
+    """The JPEG with an EXIF block whose Orientation is stored as a BYTE (the EXIF standard says SHORT)."""
+    entry = struct.pack("<HHHI", 1, 0x0112, 1, 1) + bytes([orientation, 0, 0, 0]) + struct.pack("<I", 0)
+    payload = b"Exif\x00\x00" + b"II*\x00" + struct.pack("<I", 8) + entry
+    return jpeg[:2] + b"\xff\xe1" + struct.pack(">H", len(payload) + 2) + payload + jpeg[2:]
+
+
+@pytest.mark.parametrize("orientation", [3, 6])
+def test_an_orientation_pillow_cannot_read_leaves_the_picture_as_stored_on_both_paths(
+    orientation: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pillow reads a BYTE orientation as bytes, not a number, and leaves the picture as it is stored;
+    OpenCV would turn it. What a file decodes to must not depend on which path takes it."""
+    data = _with_byte_orientation(image_bytes(two_halves(), "JPEG"), orientation)
+    taken = _plain_jpeg_path(monkeypatch)
+    fast = decode(data)
+    assert taken == [True]
+    assert fast.shape == (20, 40, 3) and close(fast[10, 5], RED) and close(fast[10, 35], BLUE)
+    _plain_jpeg_path(monkeypatch, enabled=False)
+    assert np.array_equal(fast, decode(data))
 
 
 @pytest.mark.parametrize(
