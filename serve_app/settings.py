@@ -84,8 +84,8 @@ class MilvusSettings(_Group):
     )
     large_index: str = Field(
         "",
-        description="`IVF_FLAT`, `IVF_SQ8` or `HNSW`; unset: IVF_FLAT on a Milvus server (it kept the most "
-        "matches, docs/scaling.md), FLAT kept on milvus-lite",
+        description="`IVF_FLAT`, `IVF_SQ8` or `HNSW` on a Milvus server; unset: IVF_FLAT (it kept the most "
+        "matches, docs/scaling.md). milvus-lite keeps FLAT whatever this says",
     )
     # JSON objects of numbers in the environment; strict, so a quoted number or a boolean stops start-up.
     index_params: dict[str, StrictInt | StrictFloat] = Field(
