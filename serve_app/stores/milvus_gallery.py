@@ -201,7 +201,6 @@ class MilvusGalleryStore:
         self._lite: bool | None = None  # milvus-lite (no partitions, no HNSW); probed when first needed
         self._rows_seen = 0  # rows counted at preparation plus rows this store added: when to recount
         self._stays_flat = False  # the policy keeps FLAT past its threshold (milvus-lite): never recount
-        self._warned_lite_index = False
         self._client: Any = None
         self._init_lock = threading.Lock()  # a thread lock: initialisation runs in worker threads
 
@@ -363,8 +362,7 @@ class MilvusGalleryStore:
             # so exact search is its only accurate choice; and rows that another client inserts while it
             # builds an index are lost, some without an error (2026-11-27: 5 of 60 runs of two replicas
             # inserting across the threshold at once lost the other replica's 20 rows).
-            if policy.large_index and not self._warned_lite_index:
-                self._warned_lite_index = True
+            if policy.large_index:  # said once: the store stops recounting once it stays FLAT
                 logger.warning("milvus-lite keeps collection %s FLAT (large_index ignored)", self._collection)
             return "FLAT"
         # On a server, IVF_FLAT at nprobe 64 kept 99.65 % of the service's matches on face-like vectors at
