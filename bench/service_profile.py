@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,7 +57,8 @@ class Profile:
     by_total: list[tuple[str, int]]
 
 
-def role_pids() -> dict[str, int]:
+def role_pids(roles: Collection[str] = PROFILED_ROLES) -> dict[str, int]:
+    """The pid of each running process of the service in one of `roles` (bench.service_cpu's names)."""
     pids: dict[str, int] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -66,7 +68,7 @@ def role_pids() -> dict[str, int]:
         except OSError:
             continue
         role = process_role(int(entry), command_line)
-        if role in PROFILED_ROLES:
+        if role is not None and role in roles:
             pids[role] = int(entry)
     return pids
 

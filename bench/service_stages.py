@@ -39,7 +39,7 @@ from bench.service import (
     ingress_label,
     run_phase,
 )
-from bench.service_cpu import process_role
+from bench.service_profile import role_pids
 from tests.faces_dev import load_faces_dev
 
 PROBE_DIR = Path(__file__).resolve().parent / "stage_probe"
@@ -57,20 +57,9 @@ class Snapshot:
 
 def read_snapshots(probe_out: Path, not_before: float) -> dict[str, Snapshot]:
     """The probed processes' latest snapshots by role, waiting until each was written after not_before."""
-    roles: dict[int, str] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            command_line = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        role = process_role(int(entry), command_line)
-        if role in PROBED_ROLES:
-            roles[int(entry)] = role
     snapshots: dict[str, Snapshot] = {}
     deadline = time.monotonic() + 10
-    for pid, role in roles.items():
+    for role, pid in role_pids(PROBED_ROLES).items():
         path = probe_out / f"{pid}.json"
         while True:
             data = json.loads(path.read_text()) if path.exists() else None
