@@ -44,8 +44,6 @@ from tests.faces_dev import load_faces_dev
 
 PROBE_DIR = Path(__file__).resolve().parent / "stage_probe"
 PROBED_ROLES = ("ApiIngress", "TransactionWorker", "FaceDetectorModel", "FaceEmbedderModel", "AgeModel")
-# The probe writes every 0.5 s; a snapshot this much younger than the phase's end may predate it.
-_FRESH_AFTER_S = 1.2
 
 
 @dataclass(frozen=True)
@@ -56,7 +54,8 @@ class Snapshot:
 
 
 def read_snapshots(probe_out: Path, not_before: float) -> dict[str, Snapshot]:
-    """The probed processes' latest snapshots by role, waiting until each was written after not_before."""
+    """The probed processes' snapshots by role, each the first written after not_before (the probe writes
+    every 0.5 s, so a snapshot taken right after a phase includes at most that much idle time)."""
     snapshots: dict[str, Snapshot] = {}
     deadline = time.monotonic() + 10
     for role, pid in role_pids(PROBED_ROLES).items():
@@ -110,14 +109,11 @@ async def measure(
         calls = ServiceCalls(client, faces, ages, args.phase_timeout)
         call, _ = calls.by_name()[args.call]
         await run_phase(call, 16, 4, args.phase_timeout)  # warm-up
-        await asyncio.sleep(_FRESH_AFTER_S)
-        before = await asyncio.to_thread(read_snapshots, probe_out, time.time() - 0.1)
+        before = await asyncio.to_thread(read_snapshots, probe_out, time.time())
         elapsed, latencies, failures = await run_phase(
             call, args.requests, args.concurrency, args.phase_timeout
         )
-        ended = time.time()
-        await asyncio.sleep(_FRESH_AFTER_S)
-        after = await asyncio.to_thread(read_snapshots, probe_out, ended)
+        after = await asyncio.to_thread(read_snapshots, probe_out, time.time())
     if failures:
         raise RuntimeError(f"{args.call}: {failures} calls failed")
     return before, after, len(latencies), len(latencies) / elapsed
