@@ -9,6 +9,9 @@ Sources:
 Resumable: every row's progress is appended to a state file (JSON lines, flushed per row). A row recorded
 as done is skipped by a later run with the same state file; a row submitted but not yet finished when the
 run stopped is not submitted again, its transaction is waited for instead; failed rows are tried again.
+Each submission's Idempotency-Key is recorded before it is sent: a row whose submission got no answer
+(a 503 after the retries, a lost connection, an interruption) is submitted again with the same key, so
+the service answers with the transaction it may already have created instead of enrolling the face twice.
 Failures are written to a CSV (row, client_reference, reason) at the end of each run.
 """
 
@@ -18,6 +21,7 @@ import asyncio
 import csv
 import json
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,8 +81,8 @@ def erasure_rows(source: Path) -> list[Row]:
 
 
 class StateFile:
-    """Append-only JSON lines: {"key", "status": "submitted" | "done" | "failed", ...}; the last line of a
-    key wins."""
+    """Append-only JSON lines: {"key", "status": "submitting" | "submitted" | "done" | "failed", ...}; the
+    last line of a key wins."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -142,12 +146,12 @@ async def _run(
             try:
                 reason, fields = await work(row, state.latest.get(row.key))
             except (FaceSearchError, OSError) as error:
-                reason, fields = str(error) or type(error).__name__, {}
+                reason, fields = str(error) or type(error).__name__, _unanswered(state.latest.get(row.key))
             if reason is None:
                 state.record(row.key, "done", **fields)
                 summary.done += 1
             else:
-                state.record(row.key, "failed", reason=reason)
+                state.record(row.key, "failed", reason=reason, **fields)
                 failures.append((row, reason))
                 summary.failed += 1
             bar.update(1)
@@ -157,6 +161,14 @@ async def _run(
     finally:
         bar.close()
     return failures
+
+
+def _unanswered(entry: dict[str, Any] | None) -> dict[str, Any]:
+    """What a failed row keeps of its last entry: the Idempotency-Key of a submission that was never
+    answered with a reference_id (its retry must send that key again)."""
+    if entry and entry.get("idempotency_key") and not entry.get("reference_id"):
+        return {"idempotency_key": entry["idempotency_key"]}
+    return {}
 
 
 def _write_failures(path: Path, failures: list[tuple[Row, str]], summary: Summary) -> None:
@@ -191,8 +203,13 @@ async def enroll(
             previous.get("reference_id") if previous and previous["status"] == "submitted" else None
         )
         if reference_id is None:
+            key = _unanswered(previous).get("idempotency_key") or str(uuid.uuid4())
+            state.record(row.key, "submitting", idempotency_key=key)
             reference_id = await client.submit_face_search(
-                row.path, client_reference=row.client_reference, allow_override=allow_override or None
+                row.path,
+                client_reference=row.client_reference,
+                allow_override=allow_override or None,
+                idempotency_key=key,
             )
             state.record(row.key, "submitted", reference_id=reference_id)
         result = await client.wait(str(reference_id), timeout_s)

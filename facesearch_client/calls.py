@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import os
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,13 @@ def _flag(value: bool) -> str:
     return "1" if value else "0"
 
 
+def _idempotency(key: str | None) -> dict[str, str]:
+    """The Idempotency-Key of one logical create: the Call carries it, so every retry of the Call (on 503,
+    429, after a fresh login) sends the same key and the service creates the transaction at most once.
+    A caller that retries across runs (bulk enrolment) passes the key it recorded."""
+    return {"Idempotency-Key": key or str(uuid.uuid4())}
+
+
 def login(client_id: str, client_secret: str) -> Call:
     return Call(
         "POST",
@@ -66,8 +74,11 @@ def face_search(
     as_json: bool = False,
     filename: str | None = None,
     extra: dict[str, Any] | None = None,
+    idempotency_key: str | None = None,
 ) -> Call:
-    """as_json: send the image as a Base64 data URI in a JSON body instead of a multipart upload."""
+    """as_json: send the image as a Base64 data URI in a JSON body instead of a multipart upload.
+    idempotency_key: this request's key (default: a new UUID, reused by every retry of the Call)."""
+    headers = _idempotency(idempotency_key)
     name, content = _image(image, filename)
     fields: dict[str, Any] = {"type": "face_search"}
     if client_reference is not None:
@@ -81,10 +92,14 @@ def face_search(
         uri = f"data:image/{_subtype(content)};base64,{base64.b64encode(content).decode()}"
         # extra comes last so a caller (a test of bad input) may replace any field, the file included.
         body = {"type": "face_search", "file": uri, **fields, **(extra or {})}
-        return Call("POST", "/face-search", json=body)
+        return Call("POST", "/face-search", json=body, headers=headers)
     data = {key: str(value) for key, value in fields.items()}
     return Call(
-        "POST", "/face-search", data=data, files={"file": (name, content, "application/octet-stream")}
+        "POST",
+        "/face-search",
+        data=data,
+        files={"file": (name, content, "application/octet-stream")},
+        headers=headers,
     )
 
 
@@ -95,6 +110,7 @@ def age_estimation(
     wait_for_result: bool | None = None,
     filename: str | None = None,
     extra: dict[str, Any] | None = None,
+    idempotency_key: str | None = None,
 ) -> Call:
     name, content = _image(image, filename)
     data = {"type": "age_estimation"}
@@ -104,7 +120,11 @@ def age_estimation(
         data["wait_for_result"] = _flag(wait_for_result)
     data.update({key: str(value) for key, value in (extra or {}).items()})
     return Call(
-        "POST", "/age-estimation", data=data, files={"file": (name, content, "application/octet-stream")}
+        "POST",
+        "/age-estimation",
+        data=data,
+        files={"file": (name, content, "application/octet-stream")},
+        headers=_idempotency(idempotency_key),
     )
 
 

@@ -112,17 +112,24 @@ class FaceSearchClient:
 
     def submit_face_search(self, image: Image, **options: Any) -> str:
         """Create a face search transaction; its reference_id. Options: client_reference, allow_override,
-        enroll_face, as_json, filename (calls.face_search)."""
+        enroll_face, as_json, filename, idempotency_key (calls.face_search: by default a new key that every
+        retry of this call reuses)."""
         return str(self._data(calls.face_search(image, **options))["reference_id"])
 
-    def submit_age_estimation(self, image: Image, *, enroll_face: bool | None = None) -> str:
-        return str(self._data(calls.age_estimation(image, enroll_face=enroll_face))["reference_id"])
+    def submit_age_estimation(
+        self, image: Image, *, enroll_face: bool | None = None, idempotency_key: str | None = None
+    ) -> str:
+        call = calls.age_estimation(image, enroll_face=enroll_face, idempotency_key=idempotency_key)
+        return str((self._data(call))["reference_id"])
 
-    def age_estimation(self, image: Image, *, enroll_face: bool | None = None) -> AgeResult | Pending:
+    def age_estimation(
+        self, image: Image, *, enroll_face: bool | None = None, idempotency_key: str | None = None
+    ) -> AgeResult | Pending:
         """wait_for_result=1: the age in the same request, or Pending when it was not final in time."""
-        answer = outcome(
-            self.send(calls.age_estimation(image, enroll_face=enroll_face, wait_for_result=True))
+        call = calls.age_estimation(
+            image, enroll_face=enroll_face, wait_for_result=True, idempotency_key=idempotency_key
         )
+        answer = outcome(self.send(call))
         assert not isinstance(answer, FaceSearchResult)
         return answer
 

@@ -64,6 +64,15 @@ class BackendRejected(BackendUnavailable):
     instead of requeueing it as an outage forever: retrying the same request cannot help."""
 
 
+class NotReplicated(BackendUnavailable):
+    """A create was written on the Redis master but not acknowledged by the replicas in time (503): the
+    transaction `reference_id` exists and may be processed, and a retry with its Idempotency-Key gets it."""
+
+    def __init__(self, message: str, reference_id: str) -> None:
+        super().__init__(message)
+        self.reference_id = reference_id
+
+
 class ModelUnavailable(ServiceError):
     """A model deployment failed to answer (503)."""
 

@@ -6,7 +6,8 @@ import asyncio
 import dataclasses
 import time
 
-from serve_app.domain.errors import ValidationFailed
+from serve_app.domain.errors import NotReplicated, ValidationFailed
+from serve_app.domain.idempotency import IdempotencyClaim, IdempotencyConflict, fingerprint
 from serve_app.domain.outcomes import FaceSearchOutcome
 from serve_app.domain.transactions import (
     Transaction,
@@ -39,19 +40,29 @@ class TransactionService:
         self._records = records
         self._archive = archive
 
-    async def create_face_search(self, command: FaceSearchCommand) -> Transaction:
+    async def create_face_search(
+        self, command: FaceSearchCommand, idempotency_key: str | None = None
+    ) -> Transaction:
+        """idempotency_key: the client's Idempotency-Key (domain/idempotency.py), if it sent one."""
         return await self._create(
             command.tenant_id,
             TransactionKind.FACE_SEARCH,
             command.image,
+            idempotency_key,
             enroll_face=command.enroll_face,
             allow_override=command.allow_override,
             client_reference=command.client_reference,
         )
 
-    async def create_age_estimation(self, command: AgeEstimationCommand) -> Transaction:
+    async def create_age_estimation(
+        self, command: AgeEstimationCommand, idempotency_key: str | None = None
+    ) -> Transaction:
         return await self._create(
-            command.tenant_id, TransactionKind.AGE_ESTIMATION, command.image, enroll_face=command.enroll_face
+            command.tenant_id,
+            TransactionKind.AGE_ESTIMATION,
+            command.image,
+            idempotency_key,
+            enroll_face=command.enroll_face,
         )
 
     async def _create(
@@ -59,6 +70,7 @@ class TransactionService:
         tenant_id: str,
         kind: TransactionKind,
         image: bytes,
+        idempotency_key: str | None,
         *,
         enroll_face: bool,
         allow_override: bool = False,
@@ -80,10 +92,31 @@ class TransactionService:
             allow_override=allow_override,
             client_reference=client_reference,
         )
+        claim = None
+        if idempotency_key is not None:
+            fields = {
+                "enroll_face": enroll_face,
+                "allow_override": allow_override,
+                "client_reference": client_reference,
+            }
+            claim = IdempotencyClaim(
+                tenant_id, idempotency_key, fingerprint(tenant_id, kind.value, fields, image)
+            )
         # The image is written before the transaction exists, so a queued transaction always has its image.
         await self._blobs.put(tx.image_key, image, image_format.content_type)
-        await self._transactions.create_and_enqueue(tx)
-        return tx
+        try:
+            held_by = await self._transactions.create_and_enqueue(tx, claim)
+        except (NotReplicated, IdempotencyConflict) as refused:
+            # Refused, or a retry of a create still short of its replicas: this upload is no one's.
+            if not isinstance(refused, NotReplicated) or refused.reference_id != tx.reference_id:
+                await self._blobs.delete(tx.image_key)
+            raise
+        if held_by == tx.reference_id:
+            return tx
+        # A retry of a request already created: nothing new exists but this upload, which goes now (the
+        # reconciler's orphan sweep would find it otherwise, an hour later).
+        await self._blobs.delete(tx.image_key)
+        return await self.get_for_tenant(tenant_id, held_by)
 
     async def get_for_tenant(self, tenant_id: str, reference_id: str) -> Transaction:
         """The transaction if it exists and belongs to this tenant; another tenant's id is 'not valid'."""

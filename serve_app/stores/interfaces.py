@@ -16,6 +16,7 @@ import numpy as np
 
 from serve_app.domain.faces import FaceRecord, GalleryEntry, GalleryMatch
 from serve_app.domain.gallery import AuditEntry, GalleryCounts
+from serve_app.domain.idempotency import IdempotencyClaim
 from serve_app.domain.outcomes import Outcome
 from serve_app.domain.transactions import Transaction
 
@@ -28,8 +29,11 @@ class QueueEntry:
 
 
 class TransactionStore(Protocol):
-    async def create_and_enqueue(self, tx: Transaction) -> None:
-        """Persist the transaction and put it on the work queue atomically (one MULTI/EXEC)."""
+    async def create_and_enqueue(self, tx: Transaction, claim: IdempotencyClaim | None = None) -> str:
+        """Persist the transaction and put it on the work queue atomically; the reference_id the caller
+        is given. With a claim, atomically too: when its key was recorded before, nothing is created and
+        the recorded transaction's reference_id is returned (same fingerprint) or IdempotencyConflict
+        raised (another); else the key is recorded with tx."""
 
     async def get(self, reference_id: str) -> Transaction | None:
         """The transaction, or None when unknown (any value that is not an issued reference id is)."""

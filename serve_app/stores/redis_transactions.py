@@ -9,6 +9,9 @@ Keys (prefix default "fs:"):
   {p}sys:tx-consumers         sorted set consumer -> last heartbeat (Redis server time, ms)
   {p}sys:tx-finished          stream of {"ref": reference_id}, one entry per transaction that became final
                               while results are archived (archive_after_s): the result archiver's to-do list
+  {p}idem:{digest}            hash {fp, ref, replays}: the request fingerprint and the reference_id of the
+                              transaction an Idempotency-Key created (domain/idempotency.py); expires with
+                              the retention (idempotency_ttl_s)
 
 Each family has a prefix that no other key starts with, so a reference_id can only ever name a key of its
 own family (an earlier layout put the queue at {p}tx:queue, where reference_id "queue" reached it). The API
@@ -39,9 +42,10 @@ from typing import Any
 
 from redis import exceptions as redis_exceptions
 from redis.asyncio import Redis
-from redis.typing import EncodableT, FieldT
+from redis.typing import EncodableT
 
-from serve_app.domain.errors import BackendUnavailable
+from serve_app.domain.errors import NotReplicated
+from serve_app.domain.idempotency import IdempotencyClaim, IdempotencyConflict
 from serve_app.domain.identifiers import is_reference_id
 from serve_app.domain.outcomes import Outcome
 from serve_app.domain.transactions import Transaction, TransactionState, upload_key
@@ -54,17 +58,39 @@ logger = logging.getLogger(__name__)
 
 _FINAL = (TransactionState.COMPLETED.value, TransactionState.FAILED.value)
 
-# QUEUED/PROCESSING -> PROCESSING with attempts + 1; returns the hash, or nil if unknown or final.
 # The create-and-enqueue writes as one script, so they run on the connection that then sends WAIT (WAIT
 # counts the replicas that acknowledged the writes of its own connection; a pipeline may use another).
-# KEYS: transaction hash, counts hash, stream. ARGV: state, reference_id, then the hash's field/value pairs.
+# KEYS: transaction hash, counts hash, stream, and with an Idempotency-Key its record. ARGV: state,
+# reference_id, fingerprint, the record's expiry in s (0: none), then the hash's field/value pairs.
+# Returns {0, reference_id} when it created the transaction; with a key already recorded, nothing is
+# created: {1, its reference_id} for the same fingerprint, {2, its reference_id} for another. A replay
+# still writes (the replay count), so the WAIT after it also covers the original create: replicas apply
+# the stream of writes in order, and a retry after a WAIT shortfall learns whether the create is now safe.
+# The transaction itself existing already means this very call ran before and its reply was lost (redis-py
+# resends a command whose connection dropped): it answers as a replay, and nothing is counted or queued
+# twice.
 _CREATE = """
-redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('HINCRBY', KEYS[2], ARGV[1], 0)
+  return {1, ARGV[2]}
+end
+if #KEYS == 4 then
+  local held = redis.call('HMGET', KEYS[4], 'fp', 'ref')
+  if held[2] then
+    redis.call('HINCRBY', KEYS[4], 'replays', 1)
+    if held[1] == ARGV[3] then return {1, held[2]} end
+    return {2, held[2]}
+  end
+  redis.call('HSET', KEYS[4], 'fp', ARGV[3], 'ref', ARGV[2])
+  if tonumber(ARGV[4]) > 0 then redis.call('EXPIRE', KEYS[4], ARGV[4]) end
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 5))
 redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
 redis.call('XADD', KEYS[3], '*', 'ref', ARGV[2])
-return 1
+return {0, ARGV[2]}
 """
 
+# QUEUED/PROCESSING -> PROCESSING with attempts + 1; returns the hash, or nil if unknown or final.
 _MARK_PROCESSING = """
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return nil end
@@ -194,13 +220,16 @@ class RedisTransactionStore:
         replicas: int = 0,
         replica_timeout_ms: int = 1000,
         archive_after_s: int = 0,
+        idempotency_ttl_s: int = 0,
     ) -> None:
         """finished_ttl_s: expire final transactions after this long (None: keep them).
         done_signal_ttl_s: how long a completion signal outlives the completion, for slow waiters.
         replicas: create_and_enqueue returns only once this many replicas hold the new transaction (WAIT),
         else raises BackendUnavailable after replica_timeout_ms (see docs/scaling.md, "Redis with failover").
         archive_after_s: > 0: list final transactions for the result archiver (finished_before), which
-        moves them out of Redis this long after they became final (pipelines/result_archive.py)."""
+        moves them out of Redis this long after they became final (pipelines/result_archive.py).
+        idempotency_ttl_s: how long an Idempotency-Key is remembered (0: as long as Redis keeps it); the
+        wiring passes the transaction retention, so a key outlives no transaction it names."""
         if replicas < 0 or replica_timeout_ms <= 0:
             raise ValueError("replicas must be >= 0 and replica_timeout_ms > 0")
         self._replicas = replicas
@@ -212,6 +241,7 @@ class RedisTransactionStore:
         self._consumers = f"{prefix}sys:tx-consumers"
         self._group = group
         self._finished_ttl_s = finished_ttl_s or 0
+        self._idempotency_ttl_s = idempotency_ttl_s
         self._archive_after_s = archive_after_s
         self._finished = f"{prefix}sys:tx-finished"
         # A completion signal never outlives its transaction.
@@ -242,30 +272,36 @@ class RedisTransactionStore:
 
     # -- TransactionStore -------------------------------------------------------------------------------
 
-    async def create_and_enqueue(self, tx: Transaction) -> None:
-        if self._replicas == 0:
-            async with redis_errors(), self._redis.pipeline(transaction=True) as pipe:
-                fields: dict[FieldT, EncodableT] = {k: v for k, v in encode_transaction(tx).items()}
-                pipe.hset(self._tx_key(tx.reference_id), mapping=fields)
-                pipe.hincrby(self._counts, tx.state.value, 1)
-                pipe.xadd(self._stream, {"ref": tx.reference_id})
-                await pipe.execute()
-            return
+    async def create_and_enqueue(self, tx: Transaction, claim: IdempotencyClaim | None = None) -> str:
         pairs: list[EncodableT] = [item for pair in encode_transaction(tx).items() for item in pair]
-        async with redis_errors(), self._redis.client() as connection:  # one connection: script, then WAIT
-            await self._create(
-                keys=[self._tx_key(tx.reference_id), self._counts, self._stream],
-                args=[tx.state.value, tx.reference_id, *pairs],
-                client=connection,
+        keys = [self._tx_key(tx.reference_id), self._counts, self._stream]
+        if claim is not None:
+            keys.append(f"{self._prefix}idem:{claim.digest}")
+        args = [tx.state.value, tx.reference_id, claim.fingerprint if claim else "", self._idempotency_ttl_s]
+        acknowledged = 0
+        async with redis_errors():
+            if self._replicas == 0:
+                answer = await self._create(keys=keys, args=[*args, *pairs])
+            else:
+                async with self._redis.client() as connection:  # one connection: the script, then WAIT
+                    answer = await self._create(keys=keys, args=[*args, *pairs], client=connection)
+                    if int(answer[0]) != 2:
+                        acknowledged = int(await connection.wait(self._replicas, self._replica_timeout_ms))
+        if int(answer[0]) == 2:
+            raise IdempotencyConflict(
+                "The Idempotency-Key was already used for a different request.",
+                {"Idempotency-Key": "used for a different request"},
             )
-            acknowledged = int(await connection.wait(self._replicas, self._replica_timeout_ms))
         if acknowledged < self._replicas:
             # Written on the master but not yet on a replica: a failover now could lose it, so the client
-            # is not given a reference_id (it may still be processed; a retry makes a new transaction).
-            raise BackendUnavailable(
+            # is not given a reference_id. It may still be processed: a retry with the same
+            # Idempotency-Key gets this transaction once it is safe, one without a key makes a new one.
+            raise NotReplicated(
                 f"Redis: the transaction reached {acknowledged} of {self._replicas} replica(s) within "
-                f"{self._replica_timeout_ms} ms"
+                f"{self._replica_timeout_ms} ms",
+                text(answer[1]),
             )
+        return text(answer[1])
 
     async def get(self, reference_id: str) -> Transaction | None:
         if not is_reference_id(reference_id):

@@ -66,6 +66,7 @@ def redis_stores(settings: Settings, redis: Redis | None = None) -> RedisStores:
             replicas=wait_replicas(settings),
             replica_timeout_ms=settings.redis.wait_timeout_ms,
             archive_after_s=retention.archive_after_s,
+            idempotency_ttl_s=retention.transaction_retention_s,
         ),
         records=RedisFaceRecordStore(redis, prefix=prefix, erasure_ttl_s=retention.erasure_memory_s),
         clients=RedisClientStore(redis, pepper=settings.auth.secret_key, prefix=prefix),

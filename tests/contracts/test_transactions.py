@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from serve_app.domain.errors import BackendUnavailable
+from serve_app.domain.idempotency import IdempotencyClaim, IdempotencyConflict
 from serve_app.domain.outcomes import FaceMatch, FaceSearchOutcome
 from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState, new_reference_id
 from tests.contracts.conftest import Opener, QueueKit, run_with
@@ -61,6 +62,46 @@ def test_a_created_transaction_reads_back_field_for_field(open_queue: Opener[Que
         # Values that are not issued reference ids are unknown, whatever they hold.
         for foreign in ("not-an-issued-id", "\ud800", "a" * 31 + "\x00", "queue"):
             assert await kit.transactions.get(foreign) is None
+
+    run_with(open_queue, scenario)
+
+
+def test_a_key_creates_once_and_answers_its_retries_with_that_transaction(
+    open_queue: Opener[QueueKit],
+) -> None:
+    async def scenario(kit: QueueKit) -> None:
+        first, retry = make_tx(), make_tx()
+        claim = IdempotencyClaim("tenant-a", "key-1", "fingerprint-1")
+        assert await kit.transactions.create_and_enqueue(first, claim) == first.reference_id
+        # The retry is another attempt at the same request: it is answered with the first transaction.
+        assert await kit.transactions.create_and_enqueue(retry, claim) == first.reference_id
+        assert await kit.transactions.get(retry.reference_id) is None
+        # The same key with another request is refused; another tenant's key of the same name is its own.
+        with pytest.raises(IdempotencyConflict):
+            await kit.transactions.create_and_enqueue(
+                make_tx(), IdempotencyClaim("tenant-a", "key-1", "other")
+            )
+        elsewhere = make_tx(tenant_id="tenant-b")
+        theirs = IdempotencyClaim("tenant-b", "key-1", "fingerprint-1")
+        assert await kit.transactions.create_and_enqueue(elsewhere, theirs) == elsewhere.reference_id
+        counts = await kit.transactions.count_by_state()
+        assert counts[TransactionState.QUEUED.value] == 2
+        entries = await kit.queue.claim("w", 10, 0)
+        assert sorted(entry.reference_id for entry in entries) == sorted(
+            [first.reference_id, elsewhere.reference_id]
+        )
+
+    run_with(open_queue, scenario)
+
+
+def test_concurrent_creates_with_one_key_make_one_transaction(open_queue: Opener[QueueKit]) -> None:
+    async def scenario(kit: QueueKit) -> None:
+        claim = IdempotencyClaim("tenant-a", "racing", "fingerprint")
+        txs = [make_tx() for _ in range(8)]
+        answers = await asyncio.gather(*(kit.transactions.create_and_enqueue(tx, claim) for tx in txs))
+        assert len(set(answers)) == 1 and answers[0] in {tx.reference_id for tx in txs}
+        assert (await kit.transactions.count_by_state())[TransactionState.QUEUED.value] == 1
+        assert [entry.reference_id for entry in await kit.queue.claim("w", 10, 0)] == answers[:1]
 
     run_with(open_queue, scenario)
 

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from facesearch_client import AsyncFaceSearchClient, bulk
+from facesearch_client._policy import RetryPolicy
 from serve_app.launch.cli import main
 
 
@@ -131,3 +132,51 @@ def test_a_state_file_cut_mid_line_loses_no_entry_written_after_it(tmp_path: Pat
     reread = bulk.StateFile(path)
     reread.close()
     assert {key: entry["status"] for key, entry in reread.latest.items()} == {"a": "done", "b": "done"}
+
+
+class KeyedService(Service):
+    """Creates at most one transaction per Idempotency-Key (as the service does) and, while `outage` is
+    set, loses every answer to a create after making it (a 503, as after a WAIT shortfall)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outage = True
+        self.keys: list[str] = []
+        self.created: dict[str, str] = {}  # key -> reference_id
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/face-search":
+            return super().__call__(request)
+        key = request.headers["Idempotency-Key"]
+        self.keys.append(key)
+        if key not in self.created:
+            answer = super().__call__(request)
+            self.created[key] = answer.json()["result"]["data"]["reference_id"]
+        if self.outage:
+            body = {"status": False, "message": "unavailable", "errors": {}}
+            return httpx.Response(503, json=body, headers={"Retry-After": "0"})
+        return httpx.Response(200, json=envelope({"reference_id": self.created[key]}))
+
+
+def test_a_row_whose_submission_went_unanswered_is_sent_again_with_its_key(tmp_path: Path) -> None:
+    (tmp_path / "subject.jpg").write_bytes(b"\xff\xd8 ok")
+    state, failures = tmp_path / "state.jsonl", tmp_path / "failures.csv"
+    service = KeyedService()
+
+    async def run() -> bulk.Summary:
+        http = httpx.AsyncClient(base_url="http://service", transport=httpx.MockTransport(service))
+        retry = RetryPolicy(max_retries=2, base_s=0.0, max_wait_s=0.0)
+        async with AsyncFaceSearchClient(client_secret="s", mode="secret", http=http, retry=retry) as api:
+            rows = bulk.enrolment_rows(tmp_path)
+            return await bulk.enroll(api, rows, state, failures, concurrency=1, progress=False)
+
+    first = asyncio.run(run())
+    assert first.failed == 1 and len(service.keys) == 3  # the first try and two retries
+    service.outage = False
+    second = asyncio.run(run())
+    assert second.done == 1
+    # One key for every attempt of both runs, so one transaction: the one the second run waited for.
+    assert len(set(service.keys)) == 1 and len(service.keys) == 4
+    assert len(service.created) == 1 and len(service.uploads) == 1
+    done = json.loads(state.read_text().splitlines()[-1])
+    assert done["status"] == "done" and done["reference_id"] == next(iter(service.created.values()))

@@ -31,6 +31,7 @@ from serve_app.api.response_models import (
 )
 from serve_app.api.results import result_response
 from serve_app.api.routes.bodies import request_body
+from serve_app.domain.idempotency import HEADER, parse_key
 from serve_app.pipelines.commands import AgeEstimationCommand, FaceSearchCommand
 
 # A /result body names one reference_id.
@@ -46,6 +47,20 @@ Prefer = Annotated[
         "final or the wait (capped by the server's wait_for_result bound, 10 s by default) runs out, "
         "instead of answering 202 at once. Answers carry `Preference-Applied` when honoured. Other "
         "preferences are ignored.",
+    ),
+]
+
+# The IETF httpapi draft's Idempotency-Key (domain/idempotency.py has the rules): declared so OpenAPI shows
+# it; its value is checked there, so a malformed one gets the service's envelope.
+IdempotencyKey = Annotated[
+    str | None,
+    Header(
+        alias=HEADER,
+        description="A key naming this logical request (e.g. a UUID, as a Structured Field string "
+        '`"..."` or bare; 1-255 visible ASCII characters), sent again unchanged on every retry. For the '
+        "transaction retention period, the same key with the same request (tenant, type, fields, image "
+        "bytes) answers with the first request's reference_id and creates nothing; with a different "
+        "request it is refused with 422. Without it, every request creates a transaction.",
     ),
 ]
 
@@ -83,6 +98,7 @@ def router() -> APIRouter:
         tenant: Tenant,
         body: Annotated[FaceSearchRequest, Depends(face_search_body)],
         services: Services,
+        idempotency_key: IdempotencyKey = None,
     ) -> JSONResponse:
         command = FaceSearchCommand(
             tenant_id=tenant,
@@ -91,7 +107,7 @@ def router() -> APIRouter:
             allow_override=body.allow_override,
             enroll_face=body.enroll_face,
         )
-        tx = await services.transactions.create_face_search(command)
+        tx = await services.transactions.create_face_search(command, parse_key(idempotency_key))
         return respond(
             envelope("Face search transaction created.", CreatedData(reference_id=tx.reference_id))
         )
@@ -116,9 +132,11 @@ def router() -> APIRouter:
         tenant: Tenant,
         body: Annotated[AgeEstimationRequest, Depends(age_estimation_body)],
         services: Services,
+        idempotency_key: IdempotencyKey = None,
     ) -> JSONResponse:
         tx = await services.transactions.create_age_estimation(
-            AgeEstimationCommand(tenant_id=tenant, image=body.file, enroll_face=body.enroll_face)
+            AgeEstimationCommand(tenant_id=tenant, image=body.file, enroll_face=body.enroll_face),
+            parse_key(idempotency_key),
         )
         if not body.wait_for_result:
             created = CreatedData(reference_id=tx.reference_id)

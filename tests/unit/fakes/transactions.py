@@ -8,10 +8,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from serve_app.domain.idempotency import IdempotencyClaim, IdempotencyConflict
 from serve_app.domain.identifiers import is_reference_id
 from serve_app.domain.outcomes import Outcome
 from serve_app.domain.transactions import Transaction, TransactionState
-from serve_app.stores.outcome_codec import decode_outcome, encode_outcome
+from serve_app.stores.outcome_codec import outcome_fields, outcome_from_fields
 from tests.unit.fakes.common import Faults, _encodable
 from tests.unit.fakes.work_queue import FakeWorkQueue
 
@@ -33,12 +34,21 @@ class FakeTransactionStore:
         self.waits: list[tuple[str, float, bool]] = []
         self._items: dict[str, Transaction] = {}
         self.entry_of: dict[str, str] = {}  # reference_id -> stream entry id
+        self._claims: dict[str, tuple[str, str]] = {}  # Idempotency-Key digest -> (fingerprint, reference_id)
 
-    async def create_and_enqueue(self, tx: Transaction) -> None:
+    async def create_and_enqueue(self, tx: Transaction, claim: IdempotencyClaim | None = None) -> str:
         await self._faults.check("transactions.create_and_enqueue")
         _encodable(tx.reference_id, tx.tenant_id, tx.client_reference, tx.image_key)
+        if claim is not None:
+            held = self._claims.get(claim.digest)
+            if held is not None:
+                if held[0] != claim.fingerprint:
+                    raise IdempotencyConflict("The Idempotency-Key was already used for a different request.")
+                return held[1]
+            self._claims[claim.digest] = (claim.fingerprint, tx.reference_id)
         self._items[tx.reference_id] = copy.deepcopy(tx)
         self.entry_of[tx.reference_id] = self.queue.add(tx.reference_id)
+        return tx.reference_id
 
     async def image_keys_in_flight(self) -> set[str]:
         await self._faults.check("transactions.image_keys_in_flight")
@@ -65,8 +75,8 @@ class FakeTransactionStore:
     async def complete(self, reference_id: str, result: Outcome) -> bool:
         await self._faults.check("transactions.complete")
         tx = self._items.get(reference_id)
-        # Through the stores' one JSON form, as Redis would keep it.
-        stored = decode_outcome(tx.kind, encode_outcome(result)) if tx is not None else result
+        # Through the stores' one stored form, as Redis would keep it.
+        stored = outcome_from_fields(tx.kind, outcome_fields(result)) if tx is not None else result
         return self._finalise(reference_id, TransactionState.COMPLETED, result=stored)
 
     async def fail(self, reference_id: str, error: str) -> None:
