@@ -20,9 +20,11 @@ import sys
 from pathlib import Path
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import Field, StrictFloat, StrictInt, field_validator, model_validator
+from pydantic import Field, SecretStr, StrictFloat, StrictInt, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from serve_app.domain.keys import KeyRing
 
 # Bounds shared by the service-wide setting and the per-tenant override (`facesearch clients update`).
 MinScore = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -121,10 +123,17 @@ class MilvusSettings(_Group):
 class AuthSettings(_Group):
     model_config = SettingsConfigDict(env_prefix="FACESEARCH_")
 
-    secret_key: str = Field(
-        "",
-        description="signs tokens and peppers secret hashes; unset: generated once into the data dir "
-        "(development only)",
+    secret_keys: SecretStr = Field(
+        SecretStr(""),
+        description="the key ring: comma-separated `<kid>:<secret>` entries (kid: 1-32 of `A-Za-z0-9._-`, "
+        "secret: at least 16 characters), the current key first; it signs tokens and proof URLs and hashes "
+        "client secrets and audit subjects (a key per purpose is derived from it), the others only verify "
+        "(a rotation's grace, docs/security.md); unset: `FACESEARCH_SECRET_KEY` as the one key, kid `0`",
+    )
+    secret_key: SecretStr = Field(
+        SecretStr(""),
+        description="the single key of a ring of one (kid `0`), when `FACESEARCH_SECRET_KEYS` is unset; "
+        "both unset: generated once into the data dir (development only)",
     )
     access_token_ttl_s: int = Field(900, ge=1, description="access-token lifetime")
     proof_ttl_s: int = Field(900, ge=1, description="proof-URL lifetime (the interface says 15 minutes)")
@@ -143,6 +152,20 @@ class AuthSettings(_Group):
         description="access tokens each ingress replica remembers as verified until they expire (0: check "
         "every signature); revocation is still checked on every request",
     )
+
+    def key_ring(self) -> KeyRing:
+        """The key ring (serve_app/domain/keys.py): FACESEARCH_SECRET_KEYS, else FACESEARCH_SECRET_KEY."""
+        ring = _revealed(self.secret_keys)
+        return KeyRing.parse(ring) if ring else KeyRing.single(_revealed(self.secret_key))
+
+    @property
+    def has_key(self) -> bool:
+        return bool(_revealed(self.secret_keys) or _revealed(self.secret_key))
+
+
+def _revealed(value: SecretStr | str) -> str:
+    # from_env puts the development secret in as a plain str (model_copy does not validate).
+    return value.get_secret_value() if isinstance(value, SecretStr) else value
 
 
 class LimitSettings(_Group):
@@ -307,7 +330,9 @@ class Settings(_Group):
         description="results archived after their hot window (a shared volume on a cluster); unset: "
         "`$FACESEARCH_DATA_DIR/results`",
     )
-    env: str = Field("development", description="`production` requires `FACESEARCH_SECRET_KEY`")
+    env: str = Field(
+        "development", description="`production` requires `FACESEARCH_SECRET_KEYS` or `FACESEARCH_SECRET_KEY`"
+    )
     redis: RedisSettings = Field(default_factory=RedisSettings)
     milvus: MilvusSettings = Field(default_factory=MilvusSettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)
@@ -353,9 +378,12 @@ class Settings(_Group):
         settings = cls()
         data_dir = settings.data_dir.resolve()
         auth = settings.auth
-        if not auth.secret_key:
+        if not auth.has_key:
             if settings.production:
-                raise RuntimeError("FACESEARCH_SECRET_KEY must be set when FACESEARCH_ENV=production")
+                raise RuntimeError(
+                    "FACESEARCH_SECRET_KEYS or FACESEARCH_SECRET_KEY must be set when "
+                    "FACESEARCH_ENV=production"
+                )
             auth = auth.model_copy(update={"secret_key": _development_secret(data_dir)})
         return settings.model_copy(update={"data_dir": data_dir, "auth": auth})
 
@@ -415,7 +443,7 @@ def _variable(model: type[BaseSettings], name: str, field: FieldInfo) -> str:
 
 def _default(field: FieldInfo) -> str:
     value = field.get_default(call_default_factory=True)  # an empty JSON object, not "PydanticUndefined"
-    if value is None or value == {} or value == () or value == "":
+    if value is None or value == {} or value == () or value == "" or value == SecretStr(""):
         return "unset"
     if isinstance(value, float) and value.is_integer():
         value = int(value)

@@ -1,8 +1,10 @@
 """Signed tokens: access tokens for clients and proof tokens inside proof-image URLs.
 
-Both are HS256 JWTs, each signed with its own key derived from the service secret, so a proof token can
-never pass as an access token or the reverse. The algorithm is pinned on decode: `alg: none` and tokens
-signed with any other key are rejected.
+Both are HS256 JWTs, each signed with its own key of the key ring (serve_app/domain/keys.py), so a proof
+token can never pass as an access token or the reverse. A token names its key in the JWT header (`kid`;
+none: kid 0, the key before the ring) and is verified with that key while the ring still holds it, so tokens
+issued before a rotation stay valid through its grace. The algorithm is pinned on decode: `alg: none` and
+tokens signed with any other key are rejected.
 
 A client sends the same access token with every request until it expires, so each replica remembers the
 tokens it has verified (bounded, least recently used first out) and skips the signature check and the JSON
@@ -12,8 +14,6 @@ checked on every request (ClientAuthenticator.admit), so a revocation takes effe
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import time
 import uuid
 from collections import OrderedDict
@@ -23,13 +23,19 @@ from dataclasses import dataclass
 import jwt
 
 from serve_app.domain.errors import AuthenticationFailed, NotFound, ProofExpired
+from serve_app.domain.keys import ACCESS_TOKENS, LEGACY_KID, PROOF_URLS, KeyRing, PurposeKeys, as_purpose_keys
 
 _ISSUER = "facesearch"
 _ALGORITHM = "HS256"
 
 
-def _derive_key(secret: str, purpose: str) -> bytes:
-    return hmac.new(secret.encode(), purpose.encode(), hashlib.sha256).digest()
+def _key_of(token: str, keys: PurposeKeys) -> bytes | None:
+    """The key that verifies the token: its header's kid's, while the ring holds it."""
+    try:
+        kid = jwt.get_unverified_header(token).get("kid", LEGACY_KID)
+    except jwt.InvalidTokenError:
+        return None
+    return keys.get(kid) if isinstance(kid, str) else None
 
 
 @dataclass(frozen=True)
@@ -48,14 +54,22 @@ class ProofClaims:
 class TokenSigner:
     def __init__(
         self,
-        secret: str,
+        keys: KeyRing | str,
         access_ttl_s: int,
         proof_ttl_s: int,
         verified_cache_size: int = 10_000,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self._access_key = _derive_key(secret, "access-token")
-        self._proof_key = _derive_key(secret, "proof-token")
+        """keys: the ring (a bare secret is a ring of one, kid 0)."""
+        self._access: PurposeKeys
+        self._proof: PurposeKeys
+        if isinstance(keys, KeyRing):
+            self._access, self._proof = keys.for_purpose(ACCESS_TOKENS), keys.for_purpose(PROOF_URLS)
+        else:
+            self._access, self._proof = (
+                as_purpose_keys(ACCESS_TOKENS, keys),
+                as_purpose_keys(PROOF_URLS, keys),
+            )
         self.access_ttl_s = access_ttl_s
         self.proof_ttl_s = proof_ttl_s
         self._clock = clock
@@ -72,7 +86,10 @@ class TokenSigner:
             "exp": issued + self.access_ttl_s,
             "jti": uuid.uuid4().hex,
         }
-        return jwt.encode(claims, self._access_key, algorithm=_ALGORITHM), self.access_ttl_s
+        token = jwt.encode(
+            claims, self._access.current, algorithm=_ALGORITHM, headers={"kid": self._access.current_kid}
+        )
+        return token, self.access_ttl_s
 
     def verify_access(self, token: str) -> AccessClaims:
         """The token's claims; AuthenticationFailed when it is invalid or expired. The signature of a token
@@ -93,10 +110,13 @@ class TokenSigner:
 
     def _decode_access(self, token: str) -> AccessClaims:
         """Signature, algorithm, issuer, type and the claims' presence; the expiry is verify_access's."""
+        key = _key_of(token, self._access)
+        if key is None:
+            raise AuthenticationFailed("The access token is invalid.")
         try:
             claims = jwt.decode(
                 token,
-                self._access_key,
+                key,
                 algorithms=[_ALGORITHM],
                 issuer=_ISSUER,
                 options={"require": ["exp", "iat", "sub", "iss"], "verify_exp": False},
@@ -117,12 +137,17 @@ class TokenSigner:
             "iat": issued,
             "exp": issued + self.proof_ttl_s,
         }
-        return jwt.encode(claims, self._proof_key, algorithm=_ALGORITHM)
+        return jwt.encode(
+            claims, self._proof.current, algorithm=_ALGORITHM, headers={"kid": self._proof.current_kid}
+        )
 
     def verify_proof(self, token: str) -> ProofClaims:
+        key = _key_of(token, self._proof)
+        if key is None:
+            raise NotFound("No proof image exists for this URL.")
         try:
             claims = jwt.decode(
-                token, self._proof_key, algorithms=[_ALGORITHM], options={"require": ["exp", "ten", "fid"]}
+                token, key, algorithms=[_ALGORITHM], options={"require": ["exp", "ten", "fid"]}
             )
         except jwt.ExpiredSignatureError:
             raise ProofExpired(

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
-import hmac
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,6 +22,7 @@ from serve_app.domain.errors import NotFound, ValidationFailed
 from serve_app.domain.faces import FaceRecord
 from serve_app.domain.gallery import MAX_PAGE_SIZE, AuditAction, AuditEntry, GalleryCounts
 from serve_app.domain.identifiers import is_face_id
+from serve_app.domain.keys import AUDIT_SUBJECTS, PurposeKeys, as_purpose_keys, subject_hash
 from serve_app.stores.interfaces import AuditLog, BlobStore, FaceRecordStore, GalleryStore
 
 _FACE_CURSOR = "face:"
@@ -88,27 +87,27 @@ class GalleryService:
         blobs: BlobStore,
         audit: AuditLog,
         *,
-        subject_key: bytes,
+        subject_key: PurposeKeys | bytes,
         model_version: str,
         lock_timeout_s: float = 30.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        """subject_key: the secret the audit trail's subject hashes are keyed with (the service secret),
-        so a trail that leaks does not let anyone confirm a guessed client_reference."""
+        """subject_key: the key ring's audit keys the trail's subject hashes are keyed with (a bare key: kid
+        0), so a trail that leaks does not let anyone confirm a guessed client_reference."""
         self._records = records
         self._gallery = gallery
         self._blobs = blobs
         self._audit = audit
-        self._subject_key = subject_key
+        self._subject_keys = as_purpose_keys(AUDIT_SUBJECTS, subject_key)
         self._model_version = model_version
         self._lock_timeout_s = lock_timeout_s
         self._clock = clock
 
     def subject_hash(self, kind: str, value: str) -> str:
-        """The audit trail's name for a client_reference or face id: HMAC-SHA256 under the service key.
-        An operator with the key can recompute it to answer 'was this reference erased?'."""
-        digest = hmac.new(self._subject_key, f"{kind}:{value}".encode(), hashlib.sha256).hexdigest()
-        return f"hmac-sha256:{digest[:32]}"
+        """The audit trail's name for a client_reference or face id: HMAC-SHA256 under the current audit
+        key, with its kid. An operator with the keys can recompute it (domain.keys.subject_hashes) to answer
+        'was this reference erased?'."""
+        return subject_hash(self._subject_keys, kind, value)
 
     async def list_faces(
         self, tenant_id: str, client_reference: str | None, cursor: str | None, limit: int

@@ -1,12 +1,18 @@
-"""API clients (tenants) in Redis. Secrets are never stored: only HMAC-SHA256(pepper, secret).
+"""API clients (tenants) in Redis. Secrets are never stored: only HMAC-SHA256(pepper, secret), with the kid
+of the pepper (the key ring's client-secret key, serve_app/domain/keys.py) that made it.
 
 Why a keyed fast hash and not a password hash (bcrypt/scrypt): the secrets are 256-bit random tokens, so
 there is nothing to brute-force, and a deterministic keyed hash lets the Client-Secret header be looked up
-by its hash. The pepper (the service's signing secret) lives outside Redis, so a copy of the database alone
-does not allow checking guesses.
+by its hash. The pepper lives outside Redis, so a copy of the database alone does not allow checking
+guesses.
+
+Rotation: a new client is hashed with the current pepper; a client hashed with an older one is verified
+with that one (its stored kid; none: kid 0) while the ring still holds it, and re-hashed with the current
+one on its next successful authentication, so its secret keeps working across the rotation and the old
+pepper can go once no client uses it (peppers_in_use).
 
 Keys (prefix default "fs:"):
-  {p}client:{client_id}          hash name, created_at, revoked ("0"/"1"), secret_hmac
+  {p}client:{client_id}          hash name, created_at, revoked ("0"/"1"), secret_hmac, kid (absent: "0")
   {p}client-secret:{secret_hmac} client_id (removed on revoke)
   {p}clients                     sorted set client_id -> created_at
 
@@ -19,10 +25,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import time
+from collections import Counter
+from collections.abc import Sequence
 
 from redis.asyncio import Redis
 
 from serve_app.domain.identifiers import is_client_id, new_client_id, new_client_secret
+from serve_app.domain.keys import CLIENT_SECRETS, LEGACY_KID, PurposeKeys, as_purpose_keys
 from serve_app.stores.interfaces import ClientInfo
 from serve_app.stores.redis_support import redis_errors, text, text_map
 
@@ -31,14 +40,28 @@ def client_key(prefix: str, client_id: str) -> str:
     return f"{prefix}client:{client_id}"
 
 
+# Moves a client's hash to the current pepper, only while it still holds the hash it was verified with and
+# is not revoked (a revoke or another re-hash in between wins). KEYS: client hash, old index, new index.
+# ARGV: old hash, new hash, new kid, client_id.
+_REHASH = """
+if redis.call('HGET', KEYS[1], 'secret_hmac') ~= ARGV[1] then return 0 end
+if redis.call('HGET', KEYS[1], 'revoked') == '1' then return 0 end
+redis.call('HSET', KEYS[1], 'secret_hmac', ARGV[2], 'kid', ARGV[3])
+redis.call('DEL', KEYS[2])
+redis.call('SET', KEYS[3], ARGV[4])
+return 1
+"""
+
+
 class RedisClientStore:
-    def __init__(self, redis: Redis, pepper: str | bytes, prefix: str = "fs:") -> None:
-        pepper_bytes = pepper.encode() if isinstance(pepper, str) else bytes(pepper)
-        if len(pepper_bytes) < 16:
+    def __init__(self, redis: Redis, pepper: PurposeKeys | str | bytes, prefix: str = "fs:") -> None:
+        """pepper: the key ring's client-secret keys (a bare key is a ring of one, kid 0)."""
+        if not isinstance(pepper, PurposeKeys) and len(pepper) < 16:
             raise ValueError("the client-secret pepper must be at least 16 bytes")
+        self._peppers = as_purpose_keys(CLIENT_SECRETS, pepper)
         self._redis = redis
-        self._pepper = pepper_bytes
         self._prefix = prefix
+        self._rehash = redis.register_script(_REHASH)
 
     def _client_key(self, client_id: str) -> str:
         return client_key(self._prefix, client_id)
@@ -46,10 +69,12 @@ class RedisClientStore:
     def _index_key(self, secret_hmac: str) -> str:
         return f"{self._prefix}client-secret:{secret_hmac}"
 
-    def _hash(self, secret: str) -> str:
+    def _hash(self, secret: str, pepper: bytes | None = None) -> str:
+        """Under the current pepper unless another is given."""
         # surrogatepass: a str that is not valid Unicode (a lone surrogate) hashes to something no issued
         # secret matches, rather than raising.
-        return hmac.new(self._pepper, secret.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()
+        key = self._peppers.current if pepper is None else pepper
+        return hmac.new(key, secret.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()
 
     @staticmethod
     def _info(client_id: str, fields: dict[str, str]) -> ClientInfo:
@@ -75,6 +100,7 @@ class RedisClientStore:
                     "created_at": repr(created_at),
                     "revoked": "0",
                     "secret_hmac": secret_hmac,
+                    "kid": self._peppers.current_kid,
                 },
             )
             pipe.set(self._index_key(secret_hmac), client_id)
@@ -88,17 +114,44 @@ class RedisClientStore:
             return None
         async with redis_errors():
             fields = text_map(await self._redis.hgetall(self._client_key(client_id)))
-        # The hash is computed even for unknown clients so timing does not tell which ids exist.
-        presented = self._hash(secret)
+        # The hash is computed even for unknown clients so timing does not tell which ids exist. A client
+        # hashed with a pepper the ring no longer holds cannot be verified (the rotation's grace is over).
+        pepper = self._peppers.get(fields.get("kid", LEGACY_KID))
+        presented = self._hash(secret, pepper)
         stored = fields.get("secret_hmac", "0" * len(presented))
-        if not hmac.compare_digest(presented, stored) or not fields:
+        if not hmac.compare_digest(presented, stored) or not fields or pepper is None:
             return None
         info = self._info(client_id, fields)
-        return None if info.revoked else info
+        if info.revoked:
+            return None
+        if fields.get("kid", LEGACY_KID) != self._peppers.current_kid:
+            await self._move_to_current(client_id, secret, stored)
+        return info
+
+    async def _move_to_current(self, client_id: str, secret: str, stored: str) -> None:
+        current = self._hash(secret)
+        async with redis_errors():
+            await self._rehash(
+                keys=[self._client_key(client_id), self._index_key(stored), self._index_key(current)],
+                args=[stored, current, self._peppers.current_kid, client_id],
+            )
+
+    async def peppers_in_use(self) -> dict[str, int]:
+        """kid -> clients whose secret hash it made (revoked clients left out): a pepper may leave the
+        ring once no client uses it."""
+        counts: Counter[str] = Counter()
+        for _, fields in await self._all_fields():
+            if fields.get("revoked") != "1":
+                counts[fields.get("kid", LEGACY_KID)] += 1
+        return dict(counts)
 
     async def find_by_secret(self, secret: str) -> ClientInfo | None:
+        # Under every pepper of the ring, current first, in one round trip: a client not yet re-hashed
+        # after a rotation is found under its own.
+        hashes = [self._hash(secret, self._peppers.get(kid)) for kid in self._peppers.kids()]
         async with redis_errors():
-            found = await self._redis.get(self._index_key(self._hash(secret)))
+            candidates = await self._redis.mget([self._index_key(secret_hmac) for secret_hmac in hashes])
+        found = next((candidate for candidate in candidates if candidate is not None), None)
         if found is None:
             return None
         client_id = text(found)
@@ -113,6 +166,9 @@ class RedisClientStore:
         return self._info(client_id, fields) if fields else None
 
     async def list(self) -> list[ClientInfo]:
+        return [self._info(client_id, fields) for client_id, fields in await self._all_fields()]
+
+    async def _all_fields(self) -> Sequence[tuple[str, dict[str, str]]]:
         async with redis_errors():
             client_ids = [text(c) for c in await self._redis.zrange(f"{self._prefix}clients", 0, -1)]
             async with self._redis.pipeline(transaction=False) as pipe:
@@ -120,7 +176,7 @@ class RedisClientStore:
                     pipe.hgetall(self._client_key(client_id))
                 rows = await pipe.execute()
         return [
-            self._info(client_id, text_map(fields))
+            (client_id, text_map(fields))
             for client_id, fields in zip(client_ids, rows, strict=True)
             if fields
         ]

@@ -7,6 +7,7 @@ from models.types import MODEL_VERSION
 from serve_app.api.app import ApiServices
 from serve_app.api.limits import parse_networks
 from serve_app.api.tokens import TokenSigner
+from serve_app.domain.keys import AUDIT_SUBJECTS
 from serve_app.pipelines.auth import ClientAuthenticator
 from serve_app.pipelines.gallery import GalleryService
 from serve_app.pipelines.proofs import ProofService
@@ -39,7 +40,7 @@ def build_api_services(settings: Settings) -> ApiServices:
             unauthenticated_per_minute=settings.limits.unauthenticated_per_minute,
         ),
         signer=TokenSigner(
-            settings.auth.secret_key,
+            settings.auth.key_ring(),
             settings.auth.access_token_ttl_s,
             settings.auth.proof_ttl_s,
             verified_cache_size=settings.auth.verified_token_cache,
@@ -54,7 +55,7 @@ def build_api_services(settings: Settings) -> ApiServices:
             gallery_store(settings, stores.redis),  # connects to Milvus lazily, on the first removal
             blobs,
             stores.audit,
-            subject_key=settings.auth.secret_key.encode(),
+            subject_key=settings.auth.key_ring().for_purpose(AUDIT_SUBJECTS),
             model_version=MODEL_VERSION,
         )
         if settings.milvus.uri

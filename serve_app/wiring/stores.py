@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 
 from models.types import FUSED_DIM, MODEL_VERSION
+from serve_app.domain.keys import CLIENT_SECRETS
 from serve_app.settings import Settings, wait_replicas
 from serve_app.stores.blobs import LocalBlobStore
 from serve_app.stores.milvus_gallery import IndexPolicy, MilvusGalleryStore
@@ -69,7 +70,9 @@ def redis_stores(settings: Settings, redis: Redis | None = None) -> RedisStores:
             idempotency_ttl_s=retention.transaction_retention_s,
         ),
         records=RedisFaceRecordStore(redis, prefix=prefix, erasure_ttl_s=retention.erasure_memory_s),
-        clients=RedisClientStore(redis, pepper=settings.auth.secret_key, prefix=prefix),
+        clients=RedisClientStore(
+            redis, pepper=settings.auth.key_ring().for_purpose(CLIENT_SECRETS), prefix=prefix
+        ),
         limiter=RedisRateLimiter(redis, prefix=prefix),
         admission=RedisRequestAdmission(redis, prefix=prefix),
         audit=RedisAuditLog(redis, prefix=prefix),

@@ -233,7 +233,7 @@ def target(service: RunningService) -> Iterator[FuzzTarget]:
         token=service.token_for(client),
         source_address=source,
         signer=TokenSigner(
-            settings_.auth.secret_key, settings_.auth.access_token_ttl_s, settings_.auth.proof_ttl_s
+            settings_.auth.key_ring(), settings_.auth.access_token_ttl_s, settings_.auth.proof_ttl_s
         ),
         tenant_id=client.client_id,
     )

@@ -15,9 +15,10 @@ import jwt
 import pytest
 from jwt.warnings import InsecureKeyLengthWarning
 
-from serve_app.api.tokens import TokenSigner, _derive_key
+from serve_app.api.tokens import TokenSigner
 from serve_app.domain.errors import AuthenticationFailed
 from serve_app.domain.identifiers import new_client_id
+from serve_app.domain.keys import as_purpose_keys
 from tests.unit.fakes import (
     SERVICE_SECRET,
     Api,
@@ -118,7 +119,7 @@ def forged_tokens(api: Api) -> dict[str, str]:
 
 def _forged_tokens(api: Api) -> dict[str, str]:
     good = api.token()
-    access_key = _derive_key(SERVICE_SECRET, "access-token")
+    access_key = as_purpose_keys("access-token", SERVICE_SECRET).current
     return {
         "expired": api.signer.issue_access(api.client_id, now=time.time() - 3600)[0],
         "tampered signature": flip_signature(good),
@@ -145,7 +146,7 @@ def test_forged_expired_and_misused_access_tokens_are_401() -> None:
         async with api.http() as http:
             # The same claims, correctly signed, are accepted: the refusals below are about the defect alone.
             valid = jwt.encode(
-                access_claims(api.client_id), _derive_key(SERVICE_SECRET, "access-token"), "HS256"
+                access_claims(api.client_id), as_purpose_keys("access-token", SERVICE_SECRET).current, "HS256"
             )
             assert (await search(http, bearer(valid))).status_code == 200
             for name, token in tokens.items():
@@ -431,7 +432,7 @@ def test_proof_tokens_expire_refuse_tampering_and_never_cross_faces() -> None:
         await world.enrol(api.client_id, "face-b", embedding(2), proof=b"image of B")
         await world.enrol(other_id, "face-c", embedding(3), proof=b"image of C")
         token_a = api.signer.issue_proof(api.client_id, "face-a")
-        proof_key = _derive_key(SERVICE_SECRET, "proof-token")
+        proof_key = as_purpose_keys("proof-token", SERVICE_SECRET).current
         now = int(time.time())
 
         async with api.http() as http:
@@ -453,7 +454,7 @@ def test_proof_tokens_expire_refuse_tampering_and_never_cross_faces() -> None:
                 "A's signature on another tenant": with_payload(token_a, {**a_claims, "ten": other_id}),
                 "alg none": unsigned({**a_claims, "fid": "face-b"}),
                 "signed with the access key": jwt.encode(
-                    {**a_claims}, _derive_key(SERVICE_SECRET, "access-token")
+                    {**a_claims}, as_purpose_keys("access-token", SERVICE_SECRET).current
                 ),
                 "an access token": api.token(),
                 "another service's key": TokenSigner("another-secret", 900, 900).issue_proof(
