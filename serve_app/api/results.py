@@ -4,7 +4,6 @@ shapes (match quadruples with fresh proof URLs), through the response models the
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from serve_app.api.json_response import JSONResponse
 from serve_app.api.response_models import (
@@ -16,8 +15,6 @@ from serve_app.api.response_models import (
     FailedResult,
     FailedTransaction,
     PendingData,
-    ProbeQuality,
-    QualityReport,
     envelope,
     respond,
 )
@@ -49,31 +46,17 @@ def result_response(tx: Transaction, base: str, signer: TokenSigner, created: bo
     return respond(envelope("Transaction result.", outcome_data(tx, tx.result, base, signer)))
 
 
-def render_outcome(
-    tx: Transaction, outcome: outcomes.Outcome, base: str, signer: TokenSigner
-) -> dict[str, Any]:
-    """result.data of a final transaction as it goes on the wire."""
-    return outcome_data(tx, outcome, base, signer).model_dump(mode="json")
-
-
 def outcome_data(
     tx: Transaction, outcome: outcomes.Outcome, base: str, signer: TokenSigner
 ) -> AgeData | FaceSearchData:
+    """The outcome as its response model. The outcome's fields carry over by name (pydantic reads the
+    dataclasses' attributes, nested ones too); only the interface's own shapes are made here: the match
+    quadruples with fresh proof URLs, the ids, and the extensions left out when empty."""
+    fields = {field.name: getattr(outcome, field.name) for field in dataclasses.fields(outcome)}
+    fields["unindexed_faces"] = outcome.unindexed_faces or None
     if isinstance(outcome, outcomes.AgeEstimationOutcome):
-        data: dict[str, Any] = {
-            "reference_id": tx.reference_id,
-            "age": outcome.age,
-            "under_18": outcome.under_18,
-            "under_21": outcome.under_21,
-        }
-        if outcome.unindexed_faces:  # an extension field, present only when a face was not enrolled
-            data["unindexed_faces"] = [dataclasses.asdict(face) for face in outcome.unindexed_faces]
-        if outcome.age_decision is not None:  # an extension field, present only when a flag is 50
-            data["age_decision"] = dataclasses.asdict(outcome.age_decision)
-            if outcome.age_decision.quality is None:
-                del data["age_decision"]["quality"]
-        return AgeData.model_validate(data)
-    matched = [
+        return AgeData.model_validate({**fields, "reference_id": tx.reference_id}, from_attributes=True)
+    fields["matched_faces"] = [
         (
             match.face_id,
             match.score,
@@ -82,19 +65,10 @@ def outcome_data(
         )
         for match in outcome.matches
     ]
-    # The quality extensions are given only when a bar was missed (response_models leaves them out else).
-    extensions: dict[str, Any] = {}
-    if outcome.unindexed_faces:
-        extensions["unindexed_faces"] = [
-            QualityReport.model_validate(dataclasses.asdict(face)) for face in outcome.unindexed_faces
-        ]
-    if outcome.probe_quality is not None:
-        extensions["probe_quality"] = ProbeQuality.model_validate(
-            {**dataclasses.asdict(outcome.probe_quality), "search_ok": False}
-        )
-    result = FaceSearchResult(matched_faces=matched, is_face_found=outcome.is_face_found, **extensions)
     return FaceSearchData(
         service_reference_id=tx.reference_id,
         client_reference=tx.client_reference or "",
-        face_search_response=FaceSearchResponse(result=result),
+        face_search_response=FaceSearchResponse(
+            result=FaceSearchResult.model_validate(fields, from_attributes=True)
+        ),
     )

@@ -6,14 +6,16 @@ A match is stored as its face id and score only: the client_reference is joined 
 the result is read (TransactionService.readable), so an erased reference is never kept in, nor returned
 from, a stored result. A reference stored by an earlier version is ignored for the same reason.
 
-Two forms: one JSON document (encode_outcome), and hash fields (outcome_fields) where every value stays
-short, so Redis keeps a finished transaction's hash in its compact encoding (a listpack/ziplist holds
-values up to hash-max-listpack-value, 64 bytes by default): the document without its matches under
-"result", and each match as "m<i>" = "<face_id> <score>".
+One form, hash fields (outcome_fields), where every value stays short, so Redis keeps a finished
+transaction's hash in its compact encoding (a listpack/ziplist holds values up to hash-max-listpack-value,
+64 bytes by default): the outcome's document without its matches under "result", and each match as
+"m<i>" = "<face_id> <score>". The result archive keeps the same fields (serve_app/stores/
+transaction_codec.py). A document that still holds its matches (the form before the fields) reads too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -30,17 +32,6 @@ from serve_app.domain.transactions import TransactionKind
 
 RESULT_FIELD = "result"
 _MATCH_FIELD = "m"
-
-
-def encode_outcome(outcome: Outcome) -> str:
-    return _dumps(_to_json(outcome))
-
-
-def decode_outcome(kind: TransactionKind, text: str) -> Outcome:
-    data = json.loads(text)
-    if not isinstance(data, dict):
-        raise ValueError("a stored outcome must be a JSON object")
-    return _from_json(kind, data)
 
 
 def outcome_fields(outcome: Outcome) -> dict[str, str]:
@@ -136,15 +127,7 @@ def _decision_from_json(data: dict[str, Any]) -> AgeDecisionReport:
 
 
 def _quality_to_json(quality: QualityReport) -> dict[str, Any]:
-    return {
-        "reasons": list(quality.reasons),
-        "face_size_px": quality.face_size_px,
-        "detector_score": quality.detector_score,
-        "sharpness": quality.sharpness,
-        "yaw": quality.yaw,
-        "pitch": quality.pitch,
-        "roll_deg": quality.roll_deg,
-    }
+    return dataclasses.asdict(quality)  # its fields by name; json writes the reasons' tuple as a list
 
 
 def _quality_from_json(data: dict[str, Any]) -> QualityReport:
