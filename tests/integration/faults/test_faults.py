@@ -48,13 +48,17 @@ from tests.integration.faults.faults_support import (
     FINAL_STATES,
     ServiceHost,
     Stores,
+    answers_again,
+    close_connections_from_the_server,
     count_by_state,
     final_results,
     kill_replica,
+    kill_replica_process,
     matched_faces,
     pending_entries,
     poll,
     queue_depth,
+    replica_names,
     states_of,
     stores_of,
     tenant_records,
@@ -67,6 +71,7 @@ from tests.integration.faults.faults_support import (
     worker_status,
 )
 from tests.service_harness import Client, RunningService
+from tests.unit.fakes import TEST_LOCK
 
 pytestmark = pytest.mark.service
 
@@ -280,6 +285,54 @@ def test_worker_replica_killed_mid_flight_loses_nothing(
     # The worker owns the models (config/serve.yaml): this is the replica running them, killed while
     # several transactions are inside it, most of them in a model batch.
     _kill_mid_flight(host, gallery, age_baseline, "TransactionWorker")
+
+
+def _submit_or_none(service: RunningService, token: str, job: Job) -> str | None:
+    """The reference_id, or None when the request did not get one (the connection broke, or an error
+    answer): such a request was not accepted, and its client sends it again."""
+    try:
+        with service.http() as http:
+            if job.kind is TransactionKind.FACE_SEARCH:
+                response = face_search_json(http, token, job.photo, enroll_face=0)
+            else:
+                response = age_estimation(http, token, job.photo, enroll_face=0)
+    except httpx.TransportError:
+        return None
+    return reference_of(response) if response.status_code == 200 else None
+
+
+def test_ingress_replica_killed_mid_burst_comes_back_and_loses_nothing(
+    host: ServiceHost, gallery: Gallery, age_baseline: dict[Path, dict[str, Any]]
+) -> None:
+    """The ingress serves the public port itself (direct ingress). Its process is SIGKILLed while a burst
+    arrives, with connections it closed still in TIME_WAIT on its port: a new ingress replica must bind
+    the port again and answer, and every transaction that got a reference_id must become final."""
+    service = host.current
+    jobs = _burst(gallery, age_baseline)
+    close_connections_from_the_server(service.base_url, 3)
+    killed_name = replica_names("ApiIngress")
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        futures = [pool.submit(_submit_or_none, service, gallery.token, job) for job in jobs]
+        poll(lambda: sum(future.done() for future in futures) >= 6, 60, "the burst to be arriving", 0.01)
+        kill_replica_process("ApiIngress")
+        answers = [future.result() for future in futures]
+    back_after = answers_again(service.base_url, 120)
+    assert replica_names("ApiIngress") != killed_name
+    accepted = {reference: job for reference, job in zip(answers, jobs, strict=True) if reference}
+    refused = [job for reference, job in zip(answers, jobs, strict=True) if reference is None]
+    assert accepted, "nothing was accepted before the kill"
+    # What the dead replica did not answer, its clients send again once the service answers.
+    resent = _submit_all(service, gallery.token, refused) if refused else {}
+    finished = wait_all_final(service, [*accepted, *resent], FINISH_TIMEOUT_S)
+    failed = {ref: tx.error for ref, tx in finished.items() if tx.state is not TransactionState.COMPLETED}
+    assert not failed, failed
+    bodies = final_results(service, gallery.token, [*accepted, *resent])
+    for reference_id, job in {**accepted, **resent}.items():
+        _check_result(bodies[reference_id], job, gallery, age_baseline)
+    print(
+        f"FAULTS ApiIngress SIGKILLed mid-burst: {len(accepted)} accepted, {len(accepted)} final, 0 lost; "
+        f"{len(refused)} refused by the dying replica and sent again; answered again after {back_after:.1f} s"
+    )
 
 
 def _new_transaction(tenant_id: str, kind: TransactionKind, **fields: Any) -> Transaction:
@@ -625,7 +678,7 @@ def test_milvus_outage_delays_but_loses_nothing_and_leaves_no_half_state(
     async def repair(stores: Stores) -> tuple[ReconcileReport, set[tuple[str, str]], set[tuple[str, str]]]:
         reconciler = Reconciler(
             stores.records, stores.gallery, stores.transactions, stores.reconcile_state, "faults-test",
-            ReconcilePolicy(model_version=MODEL_VERSION), stores.blobs,
+            ReconcilePolicy(TEST_LOCK, model_version=MODEL_VERSION), stores.blobs,
         )  # fmt: skip
         report = None
         while report is None:  # a worker's own periodic pass may hold the lease for a moment

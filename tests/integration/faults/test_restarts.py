@@ -1,0 +1,159 @@
+"""`facesearch start` as a supervisor runs it (systemd, a container restart policy): stopped with SIGTERM
+and started again the moment it has exited, ten times in a row, on the default config (direct ingress:
+the ingress replica serves the public port itself). Each start must end serving: a client logs in and a
+face search completes. Before each stop, connections the server closed are left in TIME_WAIT on the port,
+as real traffic leaves them.
+
+The API client is made with `facesearch clients create` run from another working directory with no
+FACESEARCH_DATA_DIR: it must reach the running service's store through the per-user default, not make
+one of its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from serve_app.launch.deploy_config import DIRECT_INGRESS_FLAG
+from serve_app.launch.embedded import free_port
+from tests.faces_dev import FacesDev
+from tests.integration.api_client import face_search_json, reference_of, wait_result
+from tests.integration.faults.faults_support import close_connections_from_the_server, poll
+from tests.service_harness import DEFAULT_CONFIG, loopback_ray_env
+
+pytestmark = pytest.mark.service
+
+CYCLES = 10
+START_TIMEOUT_S = 300.0  # a shared 2-core machine: Ray, the embedded servers and the models' load
+STOP_TIMEOUT_S = 120.0
+
+
+class Launcher:
+    """`facesearch start` in a process of its own, with everything it reads from the environment."""
+
+    def __init__(self, work: Path) -> None:
+        self.port = free_port()
+        self.metrics_port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.cwd = work / "launcher-cwd"
+        self.cwd.mkdir()
+        self.log = work / "launcher.log"
+        # Ray's socket paths must stay under 108 bytes: a short directory of its own, not one in tmp_path.
+        ray_tmp = Path(tempfile.mkdtemp(prefix="ray-restarts-", dir="/tmp"))
+        self.ray_tmp = ray_tmp
+        environment = {
+            key: value
+            for key, value in os.environ.items()
+            # Nothing of a service the test process may have run before: the launcher reads the config.
+            if not key.startswith(("RAY_SERVE_", "FACESEARCH_", "REDIS_URL", "MILVUS_URI"))
+            and key != DIRECT_INGRESS_FLAG
+        }
+        self.environment = {**environment, **loopback_ray_env(ray_tmp), "XDG_DATA_HOME": str(work / "xdg")}
+        self.process: subprocess.Popen[bytes] | None = None
+        self._offset = 0
+
+    def start(self) -> None:
+        self._offset = self.log.stat().st_size if self.log.exists() else 0
+        with open(self.log, "ab") as log:
+            log.write(b"\n--- start\n")
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "serve_app.launch.cli", "start", "--config", str(DEFAULT_CONFIG),
+                 "--port", str(self.port), "--metrics-port", str(self.metrics_port)],
+                cwd=self.cwd, env=self.environment, stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT,
+            )  # fmt: skip
+
+    def wait_serving(self) -> None:
+        def serving() -> bool:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise AssertionError(f"facesearch start exited {self.process.returncode}:\n{self.tail()}")
+            # The launcher says so once the whole application is up, the worker and its models included.
+            serving = f"facesearch is serving on {self.base_url}".encode()
+            if serving not in self.log.read_bytes()[self._offset :]:
+                return False
+            try:
+                return httpx.get(f"{self.base_url}/healthz", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        poll(serving, START_TIMEOUT_S, "facesearch start to serve", interval_s=0.5)
+
+    def stop(self) -> int:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            raise AssertionError(f"facesearch start ignored SIGTERM:\n{self.tail()}") from None
+
+    def tail(self) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
+
+    def cli(self, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "serve_app.launch.cli", *args],
+            cwd=cwd, env=self.environment, capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+
+
+@pytest.fixture
+def launcher(tmp_path: Path) -> Iterator[Launcher]:
+    running = Launcher(tmp_path)
+    try:
+        yield running
+    finally:
+        if running.process is not None and running.process.poll() is None:
+            running.stop()
+        shutil.rmtree(running.ray_tmp, ignore_errors=True)
+
+
+def _search_completes(base_url: str, token: str, photo: Path) -> None:
+    with httpx.Client(base_url=base_url, timeout=60) as http:
+        reference_id = reference_of(face_search_json(http, token, photo, enroll_face=0))
+        body = wait_result(http, token, reference_id)
+    assert body["status"] is True, body
+    assert body["result"]["data"]["face_search_response"]["result"]["is_face_found"] is True
+
+
+def _token(base_url: str, client: dict[str, str]) -> str:
+    response = httpx.post(
+        f"{base_url}/request-access-token",
+        json={"client_id": client["client_id"], "client_secret": client["client_secret"]},
+        timeout=30,
+    )
+    assert response.status_code == 200, response.text
+    return str(response.json()["result"]["data"]["token"])
+
+
+def test_ten_restarts_at_once_each_end_serving(
+    launcher: Launcher, tmp_path: Path, faces_dev: FacesDev
+) -> None:
+    photo = faces_dev.of_kind("identity")[0].path
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    client: dict[str, str] | None = None
+    for cycle in range(1, CYCLES + 1):
+        launcher.start()  # at once: the previous launcher has just exited
+        launcher.wait_serving()
+        if client is None:
+            made = launcher.cli("clients", "create", "restarts", cwd=elsewhere)
+            assert made.returncode == 0, made.stderr
+            client = json.loads(made.stdout)
+            assert not any(elsewhere.iterdir()), "the CLI wrote a store of its own in its working directory"
+        _search_completes(launcher.base_url, _token(launcher.base_url, client), photo)
+        close_connections_from_the_server(launcher.base_url, 3)
+        assert launcher.stop() == 0, launcher.tail()
+        print(f"RESTARTS cycle {cycle}/{CYCLES}: served, stopped")
+    print(f"RESTARTS {CYCLES} starts issued at once after the previous exit: {CYCLES} served")
