@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -343,3 +344,21 @@ def test_a_create_short_of_its_replicas_is_retried_into_the_same_transaction(tmp
             assert asyncio.run(upload_of(settings, credentials[0], reference_id)) == image
     finally:
         services.stop()
+
+
+def test_openapi_documents_the_header_on_both_creates(redis_server: EmbeddedServices, tmp_path: Path) -> None:
+    server = redis_server.redis
+    assert server is not None
+
+    async def main() -> dict[str, Any]:
+        transport = httpx.ASGITransport(
+            app=create_app(build_api_services(settings_for(server.url, tmp_path)))
+        )
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
+            return dict((await http.get("/openapi.json")).json())
+
+    paths = asyncio.run(main())["paths"]
+    for path in ("/face-search", "/age-estimation"):
+        (header,) = [p for p in paths[path]["post"]["parameters"] if p["name"] == "Idempotency-Key"]
+        assert header["in"] == "header" and not header.get("required", False)
+        assert "retry" in header["description"]
