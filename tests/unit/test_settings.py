@@ -178,17 +178,21 @@ def test_every_shipped_config_validates() -> None:
     assert default.deployment_options["TransactionWorker"]["user_config"] == {"concurrency": 32}
     gpu = load_serve_config(ROOT / "config/serve-gpu.yaml")
     kuberay = parse_serve_config(_kuberay_serve_config())
-    assert not gpu.direct_ingress and not kuberay.direct_ingress  # clusters keep Serve's proxies
+    assert not kuberay.direct_ingress  # clusters keep Serve's proxies
+    assert kuberay.args.topology == "split"
+    assert set(kuberay.args.deployment_options) == set(DEPLOYMENTS["split"])
+    # One GPU machine (bench/gpu_service.py): in_process workers that each own CUDA sessions.
+    assert gpu.direct_ingress and gpu.args.topology == "in_process"
+    assert set(gpu.args.deployment_options) == set(DEPLOYMENTS["in_process"])
+    assert gpu.args.deployment_options["TransactionWorker"]["ray_actor_options"]["num_gpus"] > 0
     for args in (gpu.args, kuberay.args):
-        assert args.topology == "split"
-        assert set(args.deployment_options) == set(DEPLOYMENTS["split"])
         assert args.models["provider_preference"][0] == "CUDAExecutionProvider"
 
 
 def test_a_shipped_config_with_a_typo_is_rejected() -> None:
     document = yaml.safe_load((ROOT / "config/serve-gpu.yaml").read_text())
-    document["applications"][0]["deployments"][2]["user_config"]["max_batch_sizes"] = 8
-    with pytest.raises(ValidationError, match="max_batch_sizes"):
+    document["applications"][0]["deployments"][1]["user_config"]["concurrencyy"] = 8
+    with pytest.raises(ValidationError, match="concurrencyy"):
         parse_serve_config(document)
 
 
