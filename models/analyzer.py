@@ -209,7 +209,7 @@ class FaceCropper:
         # The 112 px ArcFace chips serve SFace and the quality gate's sharpness, so they are always cut.
         sface_chips = aligned_chips(rgb, [face.landmarks for face in faces])
         qualities = tuple(
-            assess_quality(face, chip, self.quality_thresholds)
+            assess_quality(face, chip, self.quality_thresholds, rgb)
             for face, chip in zip(faces, sface_chips, strict=True)
         )
         # Age crops come from the detector box, so dlib's landmarks are needed only for the descriptor.

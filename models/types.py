@@ -49,6 +49,12 @@ class FaceQuality:
     enrol_ok: bool  # meets the enrolment bar (implies search_ok)
     search_ok: bool  # meets the search bar
     reasons: tuple[str, ...]  # why the enrolment bar was missed (empty when enrol_ok), stable codes
+    # What the age interval's width reads (models.quality.chip_measures), on the same aligned chip; NaN:
+    # not measured, which the age rules treat as a face they cannot vouch for.
+    brightness: float = float("nan")  # mean grey level of the face, 0-1
+    contrast: float = float("nan")  # standard deviation of the grey level, 0-1
+    texture: float = float("nan")  # finest-scale texture (grey levels): pixel noise raises it, blur lowers it
+    blockiness: float = float("nan")  # JPEG block artefacts in the face's box (1: none)
 
 
 @dataclass(frozen=True)

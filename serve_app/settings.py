@@ -234,6 +234,14 @@ class ModelSettings(_Group):
     model_call_timeout_s: float = Field(
         10.0, gt=0, description="deadline of one model (analysis) call; a call past it is a failed attempt"
     )
+    age_minor_cleared_rate: float = Field(
+        0.005,
+        gt=0,
+        lt=1,
+        description="share of people under 18 (under 21) whose under_18 (under_21) may be 0: the age "
+        "interval's calibrated error rate; the shipped calibration (models/age_interval.json, 343 people "
+        "under 18) supports rates from 0.003 (docs/age.md)",
+    )
 
 
 class WorkerSettings(_Group):

@@ -13,5 +13,6 @@ from tests.faces_dev import FacesDev, load_faces_dev
 
 @pytest.fixture(scope="session")
 def faces_dev() -> FacesDev:
-    """Real labelled photos from ../shared/testdata/faces-dev; the only way tests get real faces."""
+    """Real labelled photos from ../shared/testdata/faces-dev (and, through FacesDev.sibling, the sets next
+    to it such as faces-calib); the only way tests get real faces."""
     return load_faces_dev()

@@ -33,6 +33,11 @@ class FacesDev:
     def of_kind(self, kind: str) -> list[LabelledImage]:
         return [image for image in self.images if image.kind == kind]
 
+    def sibling(self, name: str) -> FacesDev:
+        """Another shared photo set next to this one with the same labels.csv columns (faces-calib: the
+        calibration set, read where it is, never copied into the repository)."""
+        return load_faces_dev(self.root.parent / name)
+
     def by_identity(self) -> dict[str, list[LabelledImage]]:
         groups: dict[str, list[LabelledImage]] = defaultdict(list)
         for image in self.of_kind("identity"):

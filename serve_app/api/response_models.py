@@ -79,7 +79,20 @@ class FailedTransaction(BaseModel):
     result: FailedResult
 
 
-QualityReason = Literal["small_face", "low_detector_score", "blurry", "extreme_pose", "below_search_bar"]
+# The first five are the quality bars' (models.quality); the rest name what widened an age interval
+# (models.age_policy.QUALITY_TERMS; unmeasured: a measure is missing).
+QualityReason = Literal[
+    "small_face",
+    "low_detector_score",
+    "blurry",
+    "extreme_pose",
+    "below_search_bar",
+    "dark",
+    "low_contrast",
+    "noisy",
+    "compressed",
+    "unmeasured",
+]
 
 
 class QualityReport(BaseModel):
@@ -120,15 +133,16 @@ class AgeDecision(BaseModel):
     """Extension, present only when under_18 or under_21 is 50: why the service did not decide."""
 
     reason: Literal["uncertain_age", "face_quality", "another_face"] = Field(
-        description="uncertain_age: the estimate lies between the bands (a better photo rarely helps); "
-        "face_quality: the subject's face misses the age quality bar (small, blurred, turned away or a "
-        "doubtful detection; both flags are 50), ask for a better photo; another_face: another face as "
-        "large as a quarter of the subject's could be a minor, so a 0 is withheld; ask for a photo of the "
-        "person alone"
+        description="uncertain_age: the age interval straddles the limit even for a clean photo (a better "
+        "photo rarely helps); face_quality: the photo's quality (dark, low contrast, noisy, blurred, "
+        "compressed, small, a doubtful detection, a turned head) widened the interval across the limit, "
+        "ask for a better photo; another_face: another face as large as a quarter of the subject's could "
+        "be under the limit, so a 0 is withheld; ask for a photo of the person alone"
     )
     quality: QualityReport | None = Field(
         default=None,
-        description="the subject's measurements and the age bar's failed checks (face_quality)",
+        description="the subject's measurements and what widened its age interval, worst first "
+        "(face_quality)",
         exclude_if=_absent,
     )
 

@@ -15,10 +15,10 @@ import asyncio
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from models.age_policy import AgeDecision, decide_age
+from models.age_policy import AgeDecision, AgeIntervalRule, decide_age
 from models.calibration import DEFAULT_FPIR, FaceScoreCalibration
 from models.types import AnalyzedFace, FaceQuality, largest_face
 from serve_app.domain.errors import ServiceError
@@ -67,6 +67,8 @@ class ProcessingPolicy:
     low_quality_fpir: float = DEFAULT_FPIR / 10
     low_quality_score_cap: float = 0.5
     tenant_cache_s: float = 5.0  # gallery size and per-tenant settings are re-read at most this often
+    # The calibrated age intervals behind under_18 / under_21 (models.age_policy), at the configured rate.
+    age_rule: AgeIntervalRule = field(default_factory=AgeIntervalRule.load)
 
 
 @dataclass(frozen=True)
@@ -318,9 +320,9 @@ class TransactionProcessor:
     async def _age_estimation(self, tx: Transaction, image: Any) -> AgeEstimationOutcome:
         faces = await self._analysis.analyze(image, embed=tx.enroll_face, estimate_age=True)
         subject = largest_face(faces)
-        # The flags follow the rules of models.age_policy (age quality bar, another face that could be a
-        # minor), which also say why a flag is 50.
-        decision = decide_age(faces)
+        # The flags follow models.age_policy (a calibrated interval per flag, widened by the face's quality;
+        # another face that could be a minor), which also says why a flag is 50.
+        decision = decide_age(faces, self._policy.age_rule)
         if subject is None or decision is None:
             return AgeEstimationOutcome(age=None, under_18=None, under_21=None)
         age = decision.estimate

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from models.age_policy import AgeIntervalRule
 from models.calibration import FaceScoreCalibration
 from models.embedder import MODEL_VERSION
 from serve_app.pipelines.analysis import DeadlineAnalysis, FaceAnalysisBackend
@@ -52,6 +53,7 @@ def build_processor(
         max_image_pixels=settings.limits.max_image_pixels,
         analysis_max_side=settings.models.analysis_max_side,
         calibration=FaceScoreCalibration.load(),
+        age_rule=AgeIntervalRule.load(minor_cleared_rate=settings.models.age_minor_cleared_rate),
     )
     return TransactionProcessor(
         stores.redis.transactions,

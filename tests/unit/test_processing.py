@@ -450,14 +450,14 @@ def test_age_estimation_result_has_the_interface_keys_and_enrols_the_face() -> N
     async def scenario() -> None:
         world = World()
         vector = embedding(3)
-        world.analysis.faces_by_color[BLUE] = [face(vector, age=17, quality=face_quality(True))]
+        world.analysis.faces_by_color[BLUE] = [face(vector, age=15, quality=face_quality(True))]
         tx = await submit_age(world, BLUE)
         await world.processor().process(tx.reference_id)
         final = world.transactions.peek(tx.reference_id)
         assert final.state is TransactionState.COMPLETED
         assert final.result is not None
         assert final.result == AgeEstimationOutcome(
-            age=17,
+            age=15,
             under_18=50,
             under_21=100,
             enrolled=True,
@@ -504,12 +504,12 @@ def test_age_estimation_result_has_the_interface_keys_and_enrols_the_face() -> N
             (0, 0),
             None,
         ),
-        # Only the flag the other face could break is withheld: a face estimated at 21 is in under_18's 0 band
-        # but not in under_21's.
+        # Only the flag the other face could break is withheld: a face estimated at 33 is cleared for under_18
+        # but not for under_21 (models/age_interval.json at the default rate).
         (
             [
                 face(age=40, quality=face_quality(True)),
-                face(age=21, size=90.0, x=200.0, quality=face_quality(True)),
+                face(age=33, size=90.0, x=200.0, quality=face_quality(True)),
             ],
             (0, 50),
             "another_face",
@@ -526,8 +526,9 @@ def test_age_estimation_result_has_the_interface_keys_and_enrols_the_face() -> N
         ),
         # A child subject in a good photo stays 100 whatever the other faces are.
         ([face(age=8, quality=face_quality(True)), face(age=40, size=90.0, x=200.0)], (100, 100), None),
-        # Between the bands: 50 because of the estimate itself.
-        ([face(age=18, quality=face_quality(True))], (50, 100), "uncertain_age"),
+        # The interval straddles both limits: 50 because of the estimate itself.
+        ([face(age=18, quality=face_quality(True))], (50, 50), "uncertain_age"),
+        ([face(age=15, quality=face_quality(True))], (50, 100), "uncertain_age"),
     ],
 )
 def test_age_flags_follow_the_safety_rules(

@@ -60,9 +60,13 @@ def face(
 
 
 def quality(
-    enrol_ok: bool = True, search_ok: bool = True, reasons: tuple[str, ...] = (), sharpness: float = 200.0
+    enrol_ok: bool = True,
+    search_ok: bool = True,
+    reasons: tuple[str, ...] = (),
+    sharpness: float = 200.0,
+    texture: float = 1.5,
 ) -> FaceQuality:
-    """A quality verdict as models.quality gives it (measurements of a plausible face)."""
+    """A quality verdict as models.quality gives it (measurements of a plausible, well-lit face)."""
     return FaceQuality(
         face_size_px=120.0,
         detector_score=0.95,
@@ -73,13 +77,21 @@ def quality(
         enrol_ok=enrol_ok,
         search_ok=search_ok,
         reasons=reasons,
+        brightness=0.5,
+        contrast=0.15,
+        texture=texture,
+        blockiness=1.2,
     )
 
 
 def face_quality(ok: bool = True) -> FaceQuality:
     """A verdict passing every bar, or failing them all for blur (the age bar judges the measurements)."""
     return quality(
-        enrol_ok=ok, search_ok=ok, reasons=() if ok else ("blurry",), sharpness=200.0 if ok else 5.0
+        enrol_ok=ok,
+        search_ok=ok,
+        reasons=() if ok else ("blurry",),
+        sharpness=200.0 if ok else 5.0,
+        texture=1.5 if ok else 0.1,
     )
 
 

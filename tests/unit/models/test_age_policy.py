@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import math
 from pathlib import Path
 
 import cv2
@@ -8,27 +11,81 @@ import pytest
 from PIL import Image, ImageOps
 
 from models.age_policy import (
+    INTERVAL_FILE,
+    LIMITS,
     MAX_OTHER_FACES,
     OTHER_FACE_AREA_RATIO,
+    QUALITY_TERMS,
     AgeDecision,
+    AgeIntervalRule,
+    AgeWidthMap,
+    LimitCalibration,
     age_faces,
+    conformal_quantile,
     decide_age,
     subject_age,
 )
 from models.analyzer import FaceAnalyzer, ModelConfig, load_face_analyzer
-from models.quality_bars import AGE_QUALITY_BAR, DEFAULT_QUALITY_THRESHOLDS
 from models.types import AgeEstimate, AnalyzedFace, DetectedFace, FaceQuality
 from tests.faces_dev import FacesDev
 
+# A made-up calibration: 399 people on each side of each limit. At the default rate (1 in 200) the clearing
+# quantile is the 2nd largest score (k = ceil(400 x 0.995) = 398), here 10.0 for both limits: a clean face
+# (width 1) is cleared from E = 28 (under_18) and E = 31 (under_21). The 100 side (1 in 100: the 4th
+# largest) is 3.0: 100 when E < 15 (18) or E < 18 (21).
+_UNDER_TOP = (12.0, 10.0, 9.0, 8.0, 7.0, 6.0)
+_OVER_TOP = (6.0, 5.0, 4.0, 3.0, 2.0, 1.0)
+REFERENCES = {
+    "brightness": 0.5,
+    "contrast": 0.15,
+    "texture_low": 1.0,
+    "texture_high": 2.0,
+    "blockiness": 1.4,
+    "face_size_px": 100.0,
+    "detector_score": 0.9,
+    "yaw": 0.2,
+}
+WIDTH_MAP = AgeWidthMap(
+    references=REFERENCES,
+    weights={
+        "dark": 0.5,
+        "flat": 0.3,
+        "noisy": 0.6,
+        "blurry": 0.4,
+        "blocky": 0.5,
+        "small": 0.5,
+        "unsure": 2.0,
+        "turned": 0.3,
+    },
+    limits={
+        "dark": 2.0,
+        "flat": 2.0,
+        "noisy": 2.0,
+        "blurry": 2.0,
+        "blocky": 2.0,
+        "small": 1.5,
+        "unsure": 0.3,
+        "turned": 2.0,
+    },
+)
 
-def _estimate(under_18: int, under_21: int, age: int = 30) -> AgeEstimate:
+
+def _rule(**rates: float) -> AgeIntervalRule:
+    calibrations = {limit: LimitCalibration(limit, 399, _UNDER_TOP, 399, _OVER_TOP) for limit in LIMITS}
+    return AgeIntervalRule(WIDTH_MAP, calibrations, **rates)
+
+
+RULE = _rule()
+
+
+def _estimate(age: float) -> AgeEstimate:
+    # The runner's own band flags (99) are not what decides: the interval rule sets both flags.
     return AgeEstimate(
-        age=age, expected_age=float(age), p_under_18=0.0, p_under_21=0.0, under_18=under_18, under_21=under_21
+        age=round(age), expected_age=float(age), p_under_18=0.0, p_under_21=0.0, under_18=99, under_21=99
     )
 
 
-ADULT = _estimate(0, 0, 40)
-MAYBE_MINOR = _estimate(50, 100, 17)
+ADULT = _estimate(40)
 
 
 def _detection(side: float, x: float = 0.0) -> DetectedFace:
@@ -40,23 +97,38 @@ def _detection(side: float, x: float = 0.0) -> DetectedFace:
 
 
 def _quality(
-    size: float = 100.0, score: float = 0.95, sharpness: float = 100.0, yaw: float = 0.0, roll: float = 0.0
+    size: float = 100.0,
+    score: float = 0.95,
+    yaw: float = 0.0,
+    brightness: float = 0.5,
+    contrast: float = 0.15,
+    texture: float = 1.5,
+    blockiness: float = 1.2,
 ) -> FaceQuality:
     return FaceQuality(
         face_size_px=size,
         detector_score=score,
-        sharpness=sharpness,
+        sharpness=100.0,  # the enrolment bars' measure; the age rules do not read it
         yaw=yaw,
         pitch=0.5,
-        roll_deg=roll,
-        enrol_ok=False,  # the age rules do not read the enrolment verdict
+        roll_deg=0.0,
+        enrol_ok=False,  # nor the enrolment verdict
         search_ok=False,
         reasons=(),
+        brightness=brightness,
+        contrast=contrast,
+        texture=texture,
+        blockiness=blockiness,
     )
 
 
 def _face(age: AgeEstimate | None, side: float = 100.0, x: float = 0.0, **quality: float) -> AnalyzedFace:
     return AnalyzedFace(_detection(side, x), None, age, _quality(**quality))
+
+
+def _flags(decision: AgeDecision | None) -> tuple[int, int]:
+    assert decision is not None
+    return decision.estimate.under_18, decision.estimate.under_21
 
 
 def test_age_faces_are_the_subject_then_comparable_faces_largest_first() -> None:
@@ -75,66 +147,164 @@ def test_age_faces_are_the_subject_then_comparable_faces_largest_first() -> None
     ]
 
 
-def test_a_clear_adult_alone_is_cleared_without_a_reason() -> None:
-    decision = decide_age([_face(ADULT)])
-    assert decision is not None and decision.estimate == ADULT and decision.reason is None
-    assert decide_age([]) is None and decide_age([_face(None)]) is None
-    assert subject_age([_face(ADULT)]) == ADULT
+def test_the_conformal_quantile_is_the_kth_smallest_score() -> None:
+    scores = (12.0, 10.0, 9.0)
+    # n = 199, rate 1/200: k = ceil(200 x 0.995) = 199, the largest score.
+    assert conformal_quantile(scores, 199, 0.005) == 12.0
+    assert conformal_quantile(scores, 399, 0.005) == 10.0  # k = 398 of 399: the 2nd largest
+    assert conformal_quantile(scores, 399, 0.0075) == 9.0  # k = 397
+    assert conformal_quantile(scores, 150, 0.005) == math.inf  # too few people for 1 in 200
+    with pytest.raises(ValueError, match="calibration keeps"):
+        conformal_quantile(scores, 399, 0.05)
+    with pytest.raises(ValueError, match="error rate"):
+        conformal_quantile(scores, 399, 0.0)
+
+
+def test_a_rate_the_calibration_cannot_support_fails_at_start_up() -> None:
+    calibrations = {limit: LimitCalibration(limit, 150, _UNDER_TOP, 399, _OVER_TOP) for limit in LIMITS}
+    with pytest.raises(ValueError, match="needs at least 199"):
+        AgeIntervalRule(WIDTH_MAP, calibrations)
+
+
+def test_flags_follow_the_interval_ends() -> None:
+    # Clean face, width 1: under_18 is 0 above E = 18 + 10 (strictly: a calibration score equal to the
+    # quantile is a calibration person's own), 100 below 18 - 3; under_21 likewise around 21.
+    cases = [
+        (40.0, (0, 0)),
+        (31.1, (0, 0)),
+        (31.0, (0, 50)),
+        (28.1, (0, 50)),
+        (28.0, (50, 50)),
+        (17.9, (50, 100)),
+        (14.9, (100, 100)),
+    ]
+    for estimate, flags in cases:
+        decision = decide_age([_face(_estimate(estimate))], RULE)
+        assert _flags(decision) == flags, estimate
+        assert decision is not None and decision.width == pytest.approx(1.0)
+        interval = decision.intervals[18]
+        assert (interval.low, interval.high) == pytest.approx((estimate - 10.0, estimate + 3.0))
+    assert decide_age([], RULE) is None and decide_age([_face(None)], RULE) is None
+    assert subject_age([_face(ADULT)], RULE) == dataclasses.replace(ADULT, under_18=0, under_21=0)
+
+
+def test_a_stricter_rate_widens_the_interval() -> None:
+    strict = _rule(minor_cleared_rate=0.0025)  # k = 399 of 399: the largest score, 12
+    assert strict.clear_quantile(18) == 12.0 > RULE.clear_quantile(18)
+    assert _flags(decide_age([_face(_estimate(29.0))], strict)) == (50, 50)
+    assert _flags(decide_age([_face(_estimate(29.0))], RULE)) == (0, 50)
 
 
 @pytest.mark.parametrize(
-    ("measurements", "reason"),
+    ("measure", "values"),
     [
-        ({"size": AGE_QUALITY_BAR.min_face_size_px - 1}, "small_face"),
-        ({"score": AGE_QUALITY_BAR.min_detector_score - 0.01}, "low_detector_score"),
-        ({"sharpness": AGE_QUALITY_BAR.min_sharpness - 1}, "blurry"),
-        ({"yaw": AGE_QUALITY_BAR.max_abs_yaw + 0.1}, "extreme_pose"),
-        ({"roll": AGE_QUALITY_BAR.max_abs_roll_deg + 1}, "extreme_pose"),
+        ("brightness", (0.5, 0.3, 0.15, 0.08)),
+        ("contrast", (0.15, 0.1, 0.05, 0.03)),
+        ("texture", (1.5, 0.8, 0.5, 0.3)),  # blurred, upscaled
+        ("texture", (1.5, 3.0, 5.0, 12.0)),  # noisy
+        ("size", (100.0, 70.0, 45.0, 30.0)),
+        ("score", (0.95, 0.85, 0.8, 0.7)),
+        ("yaw", (0.0, 0.8, 1.5, 2.5)),
+        ("blockiness", (1.2, 1.8, 3.0, 5.0)),
     ],
 )
-def test_below_the_age_bar_both_flags_are_50_never_0_or_100(
-    measurements: dict[str, float], reason: str
-) -> None:
-    for estimate in (ADULT, _estimate(100, 100, 8)):
-        decision = decide_age([_face(estimate, **measurements)])
-        assert decision is not None
-        assert (decision.estimate.under_18, decision.estimate.under_21) == (50, 50)
-        assert decision.reason == "face_quality" and decision.quality_reasons == (reason,)
-        assert decision.estimate.age == estimate.age  # the age itself is still reported
+def test_a_worse_photo_never_gets_a_narrower_interval(measure: str, values: tuple[float, ...]) -> None:
+    widths = [WIDTH_MAP.width(_quality(**{measure: value})) for value in values]
+    assert widths[0] == pytest.approx(1.0)
+    assert all(a <= b for a, b in itertools.pairwise(widths)), widths
+    assert widths[-1] > widths[0]
+    assert math.isinf(widths[-1]) or widths[-1] > 1.5
 
 
-def test_the_age_bar_is_looser_than_the_enrolment_bar_where_age_allows_it() -> None:
-    # A turned head that the enrolment bar refuses still gets an age answer: turned heads mostly make the
-    # model under-estimate (README "Age estimation").
-    turned = DEFAULT_QUALITY_THRESHOLDS.enrol.max_abs_yaw + 0.3
-    assert turned <= AGE_QUALITY_BAR.max_abs_yaw
-    decision = decide_age([_face(ADULT, yaw=turned)])
-    assert decision is not None and decision.estimate.under_18 == 0 and decision.reason is None
+def test_a_poor_photo_of_an_adult_looking_face_is_not_cleared() -> None:
+    # E = 33 clears a clean photo; dark, blurred, small, doubtful or blocky, the interval reaches under 18.
+    for measures in (
+        {"brightness": 0.15},
+        {"texture": 0.3},
+        {"size": 40.0},
+        {"score": 0.7},
+        {"blockiness": 4.5},
+    ):
+        decision = decide_age([_face(_estimate(33.0), **measures)], RULE)
+        assert decision is not None and _flags(decision) == (50, 50), measures
+        assert decision.reason == "face_quality" and decision.quality_reasons, measures
+        assert decision.width > 1.0
+
+
+def test_a_face_the_calibration_cannot_vouch_for_gets_50_for_both_flags() -> None:
+    for estimate in (60.0, 5.0):
+        for measures in ({"brightness": 0.05}, {"score": 0.6}, {"texture": float("nan")}):
+            decision = decide_age([_face(_estimate(estimate), **measures)], RULE)
+            assert decision is not None and _flags(decision) == (50, 50), (estimate, measures)
+            assert decision.reason == "face_quality" and math.isinf(decision.width)
+            assert decision.estimate.age == round(estimate)  # the age itself is still reported
+    decision = decide_age([_face(ADULT, texture=float("nan"))], RULE)
+    assert decision is not None and decision.quality_reasons == ("unmeasured",)
+    decision = decide_age([_face(ADULT, brightness=0.05)], RULE)
+    assert decision is not None and decision.quality_reasons[0] == "dark"
+
+
+def test_quality_reasons_name_what_widened_the_interval() -> None:
+    decision = decide_age([_face(_estimate(33.0), texture=6.0)], RULE)
+    assert decision is not None and decision.reason == "face_quality"
+    assert decision.quality_reasons[0] == "noisy"
+    assert set(QUALITY_TERMS.values()) >= set(decision.quality_reasons)
+
+
+def test_uncertain_age_when_even_a_clean_photo_would_straddle_the_limit() -> None:
+    decision = decide_age([_face(_estimate(20.0))], RULE)
+    assert decision is not None and _flags(decision) == (50, 50) and decision.reason == "uncertain_age"
+    # Slightly worse than clean, but a clean photo of E = 20 would not have been decided either.
+    decision = decide_age([_face(_estimate(20.0), size=80.0)], RULE)
+    assert decision is not None and decision.reason == "uncertain_age"
 
 
 def test_another_face_withholds_a_0_only_when_it_could_be_a_minor() -> None:
     subject = _face(ADULT)
     cases = [
-        (_face(MAYBE_MINOR, 90.0, x=200), (50, 50), "another_face"),
+        (_face(_estimate(17.0), 90.0, x=200), (50, 50), "another_face"),
         (_face(None, 90.0, x=200), (50, 50), "another_face"),  # comparable but not estimated
-        (_face(ADULT, 90.0, x=200, sharpness=5.0), (50, 50), "another_face"),  # too blurred to tell
+        (_face(ADULT, 90.0, x=200, texture=0.1), (50, 50), "another_face"),  # too blurred to tell
         (_face(ADULT, 90.0, x=200), (0, 0), None),  # two clear adults
-        (_face(_estimate(0, 50, 20), 90.0, x=200), (0, 50), "another_face"),  # an adult for 18, not for 21
-        (_face(MAYBE_MINOR, 49.0, x=200), (0, 0), None),  # background: under a quarter of the area
+        (_face(_estimate(29.0), 90.0, x=200), (0, 50), "another_face"),  # an adult for 18, not for 21
+        (_face(_estimate(17.0), 49.0, x=200), (0, 0), None),  # background: under a quarter of the area
     ]
     for other, flags, reason in cases:
-        decision = decide_age([other, subject])
-        assert decision is not None
-        assert (decision.estimate.under_18, decision.estimate.under_21) == flags, other
-        assert decision.reason == reason
+        decision = decide_age([other, subject], RULE)
+        assert _flags(decision) == flags, other
+        assert decision is not None and decision.reason == reason
 
 
-def test_a_50_or_100_from_the_bands_is_kept_and_called_uncertain() -> None:
-    decision = decide_age([_face(MAYBE_MINOR), _face(ADULT, 90.0, x=200)])
-    assert decision is not None and decision.estimate == MAYBE_MINOR and decision.reason == "uncertain_age"
-    child = _estimate(100, 100, 8)
-    decision = decide_age([_face(child), _face(MAYBE_MINOR, 90.0, x=200)])
-    assert decision is not None and decision.estimate == child and decision.reason is None
+def test_a_50_or_100_of_the_subject_is_never_changed_by_other_faces() -> None:
+    decision = decide_age([_face(_estimate(17.0)), _face(ADULT, 90.0, x=200)], RULE)
+    assert _flags(decision) == (50, 100)
+    assert decision is not None and decision.reason == "uncertain_age"
+    decision = decide_age([_face(_estimate(8.0)), _face(_estimate(17.0), 90.0, x=200)], RULE)
+    assert _flags(decision) == (100, 100)
+    assert decision is not None and decision.reason is None
+
+
+def test_the_committed_calibration_supports_the_default_rate() -> None:
+    rule = AgeIntervalRule.load(INTERVAL_FILE)
+    for limit in LIMITS:
+        calibration = rule.calibrations[limit]
+        # 1 in 200 needs at least 199 calibration people under the limit.
+        assert calibration.under_count >= 199
+        assert math.isfinite(rule.clear_quantile(limit)) and math.isfinite(rule.minor_quantile(limit))
+
+
+def test_the_flags_never_contradict_each_other() -> None:
+    # Someone not surely 18 is not surely 21; someone surely under 18 is surely under 21, whatever the two
+    # limits' quantiles say.
+    calibrations = {
+        18: LimitCalibration(18, 399, (30.0, 20.0), 399, _OVER_TOP),
+        21: LimitCalibration(21, 399, (2.0, 1.0), 399, (30.0, 20.0, 10.0, 0.0)),
+    }
+    rule = AgeIntervalRule(WIDTH_MAP, calibrations)
+    for estimate in (10.0, 19.0, 23.0, 30.0, 39.0, 45.0):
+        u18, u21 = _flags(decide_age([_face(_estimate(estimate))], rule))
+        assert u21 != 0 or u18 == 0, estimate
+        assert u18 != 100 or u21 == 100, estimate
 
 
 # ---------------------------------------------------------------- the rules on real photos (faces-dev)
@@ -143,6 +313,10 @@ def test_a_50_or_100_from_the_bands_is_kept_and_called_uncertain() -> None:
 def _pixels(path: Path) -> np.ndarray:
     with Image.open(path) as image:
         return np.asarray(ImageOps.exif_transpose(image).convert("RGB"))
+
+
+# The committed calibration at the default rate, as the service runs it.
+COMMITTED = AgeIntervalRule.load()
 
 
 @pytest.fixture(scope="module")
@@ -161,10 +335,10 @@ def cleared_adult(faces_dev: FacesDev, analyzer: FaceAnalyzer) -> np.ndarray:
         if item.age is None or item.age < 30:
             continue
         image = _square(_pixels(item.path), 240)
-        age = subject_age(analyzer.analyze([image])[0])
+        age = subject_age(analyzer.analyze([image])[0], COMMITTED)
         if age is not None and age.under_18 == 0:
             return image
-    raise AssertionError("no dev adult of 30+ is cleared on their own: the bands are too cautious")
+    raise AssertionError("no dev adult of 30+ is cleared on their own: the interval rule is too cautious")
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +349,7 @@ def cleared_adults(faces_dev: FacesDev, analyzer: FaceAnalyzer) -> list[np.ndarr
         if item.age is None or item.age < 30:
             continue
         image = _square(_pixels(item.path), 240)
-        age = subject_age(analyzer.analyze([image])[0])
+        age = subject_age(analyzer.analyze([image])[0], COMMITTED)
         if age is not None and age.under_18 == 0 and age.under_21 == 0:
             found.append(image)
         if len(found) == 2:
@@ -213,7 +387,7 @@ def _held(adult: np.ndarray, child: np.ndarray) -> np.ndarray:
 
 def _decide(analyzer: FaceAnalyzer, image: np.ndarray) -> tuple[list[AnalyzedFace], AgeDecision]:
     faces = analyzer.analyze([image])[0]
-    decision = decide_age(faces)
+    decision = decide_age(faces, COMMITTED)
     assert decision is not None
     return faces, decision
 
@@ -226,8 +400,8 @@ def test_a_child_held_by_an_adult_gets_no_0(
     subject = max(faces, key=lambda face: face.detection.area)
     other = next(face for face in faces if face is not subject)
     # The adult is the subject and would be cleared; the child's face, estimated too, withholds the 0.
-    assert subject.age is not None and subject.age.under_18 == 0
-    assert other.age is not None and other.age.under_18 != 0
+    assert _flags(decide_age([subject], COMMITTED))[0] == 0
+    assert other.age is not None and _flags(decide_age([other], COMMITTED))[0] != 0
     assert decision.estimate.under_18 == 50 and decision.estimate.under_21 == 50
     assert decision.reason == "another_face"
 
@@ -286,7 +460,9 @@ def test_dev_group_photos_estimate_every_comparable_face(faces_dev: FacesDev, an
         ]
         crowded += bool(comparable)
         assert all(face.age is not None for face in comparable[:MAX_OTHER_FACES]), item.path.name
-        possible_minor = any(face.age is None or face.age.under_18 != 0 for face in comparable)
+        possible_minor = any(
+            face.age is None or _flags(decide_age([face], COMMITTED))[0] != 0 for face in comparable
+        )
         if possible_minor:
             assert decision.estimate.under_18 != 0, item.path.name
     assert crowded >= 1, "at least one dev group photo should have faces of comparable size"
