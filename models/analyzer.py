@@ -31,7 +31,6 @@ from models.age_policy import age_faces as policy_age_faces
 from models.age_v2 import INPUT_SIZE as AGE_INPUT_SIZE
 from models.age_v2 import VIEWS_PER_FACE as AGE_VIEWS_PER_FACE
 from models.age_v2 import (
-    AgeBands,
     AgeCalibration,
     FaceresAgeEstimator,
     face_views,
@@ -79,13 +78,12 @@ class ModelConfig:
     gpu_image_run_size: int = 8
     gpu_face_run_size: int = 16
     detector: DetectorOptions = field(default_factory=DetectorOptions)
-    # None: the bands calibrated on faces-calib (models/age_calibration.json); a mapping overrides them.
-    age_bands: AgeBands | None = None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
-        """From a config file's `model_config` mapping; nested `detector` / `age_bands` mappings hold the
-        fields of DetectorOptions / AgeBands. Unknown keys are an error, not silently ignored."""
+        """From a config file's `model_config` mapping; a nested `detector` mapping holds the fields of
+        DetectorOptions. Unknown keys are an error, not silently ignored (the under_18 / under_21 flags are
+        models.age_policy's calibrated intervals, set by FACESEARCH_AGE_MINOR_CLEARED_RATE)."""
         known = {item.name for item in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -97,8 +95,6 @@ class ModelConfig:
             values["provider_preference"] = tuple(values["provider_preference"])
         if isinstance(values.get("detector"), Mapping):
             values["detector"] = DetectorOptions(**values["detector"])
-        if isinstance(values.get("age_bands"), Mapping):
-            values["age_bands"] = AgeBands(**values["age_bands"])
         return cls(**values)
 
     def session_options(self, gpu_run_size: int = 0) -> SessionOptions:
@@ -146,8 +142,6 @@ class ModelConfig:
     def load_age_estimator(self) -> FaceresAgeEstimator:
         """age-v2 (faceres-deep), converted by `facesearch models fetch`."""
         calibration = AgeCalibration.load()
-        if self.age_bands is not None:
-            calibration = dataclasses.replace(calibration, bands=self.age_bands)
         model = converted("faceres_deep", self.models_dir)
         return FaceresAgeEstimator(model, self.session_options(self.gpu_face_run_size), calibration)
 

@@ -10,7 +10,7 @@ from PIL import Image, ImageOps
 
 from models.age_policy import age_faces as policy_age_faces
 from models.age_v2 import VIEWS_PER_FACE as AGE_VIEWS
-from models.age_v2 import AgeBands
+from models.age_v2 import AgeCalibration
 from models.analyzer import (
     FaceAnalyzer,
     FaceCrops,
@@ -242,24 +242,19 @@ def test_model_config_from_dict() -> None:
             "models_dir": str(models_dir),
             "provider_preference": ["CPUExecutionProvider"],
             "detector": {"score_threshold": 0.7},
-            "age_bands": {
-                "under_18_minor_below": 15.0,
-                "under_18_adult_from": 40.0,
-                "under_21_minor_below": 18.0,
-                "under_21_adult_from": 42.0,
-            },
         }
     )
     assert config.intra_op_threads == 2
     assert config.models_dir == models_dir
     assert config.provider_preference == ("CPUExecutionProvider",)
     assert config.detector == DetectorOptions(score_threshold=0.7)
-    assert config.age_bands == AgeBands(15.0, 40.0, 18.0, 42.0)
-    assert config.load_age_estimator().calibration.bands == AgeBands(15.0, 40.0, 18.0, 42.0)
+    assert config.load_age_estimator().calibration == AgeCalibration.load()
     assert config.session_options().intra_op_threads == 2
     assert ModelConfig.from_dict({}) == ModelConfig()
     with pytest.raises(ValueError, match="unknown model_config keys"):
         ModelConfig.from_dict({"intra_op_thread": 2})
+    with pytest.raises(ValueError, match="unknown model_config keys"):  # the flags are age_policy's now
+        ModelConfig.from_dict({"age_bands": {"under_18_adult_from": 30.0}})
 
 
 def test_every_detected_face_carries_its_quality(analyzer: FaceAnalyzer, rgb_photo: np.ndarray) -> None:
