@@ -156,7 +156,7 @@ def running_service_settings(command: str, *, milvus: bool) -> Settings:
     how_to_point = (
         f"Start the service (`facesearch start`), or point this command at the running one: "
         f"FACESEARCH_DATA_DIR=<its data directory>, or REDIS_URL{' and MILVUS_URI' if milvus else ''} and "
-        "FACESEARCH_SECRET_KEY as the service has them."
+        "FACESEARCH_SECRET_KEYS (or FACESEARCH_SECRET_KEY) as the service has them."
     )
     try:
         attached = attach_running_backends(configured, milvus=milvus)
@@ -166,10 +166,11 @@ def running_service_settings(command: str, *, milvus: bool) -> Settings:
             f"(FACESEARCH_DATA_DIR, default $XDG_DATA_HOME/facesearch or ~/.local/share/facesearch). "
             f"{how_to_point}"
         ) from None
-    if not configured.auth.secret_key and not development_secret_path(data_dir).is_file():
+    if not configured.auth.has_key and not development_secret_path(data_dir).is_file():
         raise NoRunningService(
-            f"facesearch {command}: the service's signing key is not in the environment "
-            f"(FACESEARCH_SECRET_KEY) nor in {development_secret_path(data_dir)}. {how_to_point}"
+            f"facesearch {command}: the service's keys are not in the environment "
+            f"(FACESEARCH_SECRET_KEYS or FACESEARCH_SECRET_KEY) nor in {development_secret_path(data_dir)}. "
+            f"{how_to_point}"
         )
     return Settings.from_env().with_backends(attached.redis.url, attached.milvus.uri)
 
@@ -359,6 +360,8 @@ async def _reindex(settings: Settings, tenant_id: str, state_path: Path | None) 
             lock=lock_policy(settings),
             on_face=progress.update,
         )
+        # An index switch the run's inserts started (in the background) ends before the command does.
+        await gallery.switch_index_if_due()
     finally:
         progress.close()
         await gallery.close()
