@@ -362,3 +362,23 @@ def test_openapi_documents_the_header_on_both_creates(redis_server: EmbeddedServ
         (header,) = [p for p in paths[path]["post"]["parameters"] if p["name"] == "Idempotency-Key"]
         assert header["in"] == "header" and not header.get("required", False)
         assert "retry" in header["description"]
+
+
+def test_concurrent_requests_with_one_key_create_one_transaction(
+    redis_server: EmbeddedServices, tmp_path: Path
+) -> None:
+    server = redis_server.redis
+    assert server is not None
+
+    async def main() -> None:
+        settings = settings_for(server.url, tmp_path)
+        async with ingress(settings, retries=0) as api:
+            await api.client.login()
+            call = calls.face_search(solid_png((9, 9, 9)), client_reference="subject-5")
+            answers = await asyncio.gather(*(api.client.send(call) for _ in range(6)))
+            assert {answer.status_code for answer in answers} == {200}
+            references = {answer.json()["result"]["data"]["reference_id"] for answer in answers}
+            assert len(references) == 1
+            assert await transactions_created(settings, server.url) == (1, 1, 1)
+
+    asyncio.run(main())
