@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PY := $(BIN)/python
 
-.PHONY: install run test lint docs unit integration fuzz-random bench clean image image-base image-test
+.PHONY: install run test lint docs unit integration fuzz-random bench clean image image-base image-test kit
 
 $(VENV)/.installed: pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "needs $(PYTHON): CPython 3.11, 3.12 or 3.13 (e.g. make install PYTHON=python3.12)"; exit 1; }
@@ -62,6 +62,17 @@ bench: install
 	$(PY) -m bench.speed
 	$(PY) -m bench.vector_search --sizes 100000
 	$(PY) -m bench.stores
+
+# The offline kit (docs/offline-kit.md): wheels for KIT_PYTHON on KIT_PLATFORM, redis-server, the converted
+# models and install.sh, in parts of at most 60 MB, for a machine with no package index.
+KIT_PYTHON ?= $(shell $(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)
+KIT_PLATFORM ?= manylinux_2_28_x86_64
+KIT_VARIANT ?= cpu
+KIT_OUT ?= var/kit
+
+kit: install
+	$(PY) -m serve_app.launch.kit build --python $(KIT_PYTHON) --platform $(KIT_PLATFORM) \
+		--variant $(KIT_VARIANT) --out $(KIT_OUT)
 
 # Container image (README "Docker"): podman, else docker where its daemon answers (deploy/image/engine.sh).
 # The CPU variant builds on a local Debian base (image-base, made with debootstrap when missing: no registry

