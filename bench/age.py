@@ -57,13 +57,13 @@ from models.chips import aligned_chips
 from models.detector import DetectorOptions, FaceDetector
 from models.quality import (
     ChipMeasures,
-    age_quality_failures,
     blockiness,
     chip_measures,
     chip_sharpness,
     judge_quality,
     pose_from_landmarks,
 )
+from models.quality_bars import Pose, QualityBar, bar_failures
 from models.sessions import SessionOptions
 from models.types import AnalyzedFace, DetectedFace, FaceQuality
 from models.weights import NPM_WEIGHTS, converted, resolve
@@ -345,6 +345,25 @@ def legacy_decisions(photo_faces_list: list[list[AnalyzedFace]]) -> list[AgeDeci
     return out
 
 
+# Today's rules' age quality bar (issue 23), kept here for the comparison: below it both flags were 50.
+AGE_QUALITY_BAR = QualityBar(
+    min_face_size_px=32.0,
+    min_detector_score=0.85,
+    min_sharpness=20.0,
+    max_abs_yaw=2.0,
+    pitch_range=(0.15, 0.9),
+    max_abs_roll_deg=40.0,
+)
+
+
+def age_quality_failures(quality: FaceQuality) -> tuple[str, ...]:
+    """The reasons a measured face misses today's age bar (empty when it meets it)."""
+    pose = Pose(yaw=quality.yaw, pitch=quality.pitch, roll_deg=quality.roll_deg)
+    return tuple(
+        bar_failures(AGE_QUALITY_BAR, quality.face_size_px, quality.detector_score, quality.sharpness, pose)
+    )
+
+
 def bands_decide(faces: Sequence[AnalyzedFace]) -> AgeDecision | None:
     """The rules before issue 36 ("today's rules" in the tables): the bands of models/age_calibration.json
     (the runner's under_18 / under_21), 50 for both flags below the age quality bar (AGE_QUALITY_BAR), and
@@ -387,7 +406,7 @@ SPLIT_SEED = 20261128
 # about KEPT_SCORES / (people in the class).
 KEPT_SCORES = 40
 # Rates the curve (bench.age --curve) walks through for the 0 side.
-CURVE_RATES: tuple[float, ...] = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.08)
+CURVE_RATES: tuple[float, ...] = (0.003, 0.005, 0.01, 0.0125, 0.015, 0.0175, 0.02, 0.03, 0.05, 0.08)
 
 
 def calibration_split(photos: PhotoSet) -> np.ndarray:

@@ -16,9 +16,8 @@ certainty; see serve_app.pipelines.processing). Thresholds were chosen on faces-
 `python -m bench.identification` (what each bar rejects and its effect on FNIR/FPIR) and its
 `--blur-sweep` (sharpness against matching under Gaussian blur); docs/models.md, "Quality gate".
 
-The age bar (models.quality_bars.AGE_QUALITY_BAR, applied by models.age_policy) is separate: it was chosen
-on faces-wild and faces-calib by what predicts a wrong age estimate (`python -m bench.age` prints what each
-check refuses), not by matching.
+Age has no bar: the measures here (and chip_measures / blockiness) set the width of the age interval
+(models.age_policy.AgeWidthMap), calibrated by `python -m bench.age --calibrate-interval` (docs/age.md).
 """
 
 from __future__ import annotations
@@ -32,25 +31,21 @@ import numpy as np
 
 from models.chips import align_chip
 from models.quality_bars import (
-    AGE_QUALITY_BAR,
     DEFAULT_QUALITY_THRESHOLDS,
     Pose,
     QualityBar,
     QualityThresholds,
-    age_quality_failures,
     bar_failures,
 )
 from models.types import DetectedFace, FaceQuality
 
 __all__ = [
-    "AGE_QUALITY_BAR",
     "DEFAULT_QUALITY_THRESHOLDS",
     "ChipMeasures",
     "FaceQuality",
     "Pose",
     "QualityBar",
     "QualityThresholds",
-    "age_quality_failures",
     "assess_image_faces",
     "assess_quality",
     "blockiness",

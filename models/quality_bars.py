@@ -1,12 +1,10 @@
 """Quality bars and the checks against them, on measurements already taken (models.types.FaceQuality).
-Plain Python: the age rules (models.age_policy) use them on the API side, which loads no model library."""
+Plain Python: a process that loads no model library can judge measurements it was sent."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-from models.types import FaceQuality
 
 
 @dataclass(frozen=True)
@@ -51,22 +49,6 @@ class Pose:
     roll_deg: float
 
 
-# The bar below which an age estimate is not worth a 0 or a 100 (models.age_policy). Measured on faces-wild
-# (docs/age.md): a low detector score is the strongest sign of a wrong estimate (subjects under
-# 0.85: mean miss 20 years; partial, occluded or odd faces) and blur under 20 turned two young faces into
-# adults; turned heads mostly make the model under-estimate, which is safe, so yaw is allowed up to a
-# near-profile 2.0 (the enrolment bar's 0.8 withheld a fifth of the adults for nothing). Below 48 px the
-# estimate drifts older on downscaled faces-calib / faces-wild photos.
-AGE_QUALITY_BAR = QualityBar(
-    min_face_size_px=32.0,
-    min_detector_score=0.85,
-    min_sharpness=20.0,
-    max_abs_yaw=2.0,
-    pitch_range=(0.15, 0.9),
-    max_abs_roll_deg=40.0,
-)
-
-
 def bar_failures(bar: QualityBar, size: float, score: float, sharpness: float, pose: Pose) -> list[str]:
     reasons = []
     if size < bar.min_face_size_px:
@@ -85,9 +67,3 @@ def bar_failures(bar: QualityBar, size: float, score: float, sharpness: float, p
     if not frontal:
         reasons.append("extreme_pose")
     return reasons
-
-
-def age_quality_failures(quality: FaceQuality, bar: QualityBar = AGE_QUALITY_BAR) -> tuple[str, ...]:
-    """The reasons a measured face misses the age bar (empty when it meets it)."""
-    pose = Pose(yaw=quality.yaw, pitch=quality.pitch, roll_deg=quality.roll_deg)
-    return tuple(bar_failures(bar, quality.face_size_px, quality.detector_score, quality.sharpness, pose))

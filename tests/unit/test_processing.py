@@ -516,7 +516,8 @@ def test_age_estimation_result_has_the_interface_keys_and_enrols_the_face() -> N
         ),
         # A small background face does not count (under a quarter of the subject's area).
         ([face(age=40, quality=face_quality(True)), face(age=8, size=40.0, x=200.0)], (0, 0), None),
-        # The subject misses the age quality bar, or its quality was not measured: 50, never 0 or 100.
+        # The subject's photo is worse than any calibration photo, or its quality was not measured: an
+        # unbounded interval, 50, never 0 or 100.
         ([face(age=40, quality=face_quality(False))], (50, 50), "face_quality"),
         ([face(age=40)], (50, 50), "face_quality"),
         (

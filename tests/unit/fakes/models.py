@@ -85,7 +85,8 @@ def quality(
 
 
 def face_quality(ok: bool = True) -> FaceQuality:
-    """A verdict passing every bar, or failing them all for blur (the age bar judges the measurements)."""
+    """A verdict passing every bar, or failing them all for blur (so blurred that the age interval is
+    unbounded: the age rules read the measurements)."""
     return quality(
         enrol_ok=ok,
         search_ok=ok,

@@ -14,6 +14,8 @@ from models.detector import DetectorOptions, FaceDetector
 from models.quality import (
     QualityThresholds,
     assess_quality,
+    blockiness,
+    chip_measures,
     chip_sharpness,
     pose_from_landmarks,
 )
@@ -91,3 +93,38 @@ def test_each_check_names_its_reason_and_the_search_bar_is_looser() -> None:
     assert assess_quality(_face((0, 0, 200, 200), ARCFACE_TEMPLATE * 2), chip, stricter).reasons == (
         "blurry",
     )
+
+
+# ---------------------------------------------------------------- the measures the age interval reads
+
+
+def _textured(seed: int = 3, side: int = 112) -> np.ndarray:
+    """A face-sized RGB picture with detail at every scale (smoothed noise of several widths)."""
+    rng = np.random.default_rng(seed)
+    layers = [cv2.GaussianBlur(rng.normal(0, 1, (side, side)), (0, 0), s) * s for s in (1.0, 3.0, 9.0)]
+    grey = 128 + 20 * sum(layers) / np.std(sum(layers))
+    return np.repeat(np.clip(grey, 0, 255).astype(np.uint8)[..., None], 3, axis=2)
+
+
+def test_chip_measures_follow_light_noise_and_blur() -> None:
+    from tests.degradations import blurrier, darker, noisier
+
+    chip = _textured()
+    clean = chip_measures(chip)
+    dark = chip_measures(darker(chip, 0.3))
+    assert dark.brightness < 0.4 * clean.brightness and dark.contrast < 0.4 * clean.contrast
+    textures = [chip_measures(noisier(chip, std, 1)).texture for std in (0.0, 8.0, 16.0)]
+    assert textures[0] < textures[1] < textures[2]
+    blurred = [chip_measures(blurrier(chip, share)).texture for share in (0.005, 0.01, 0.02)]
+    assert clean.texture > blurred[0] > blurred[1] > blurred[2]
+
+
+def test_blockiness_grows_with_jpeg_compression_and_needs_a_large_enough_box() -> None:
+    from tests.degradations import recompressed
+
+    image = cv2.resize(_textured(5, 200), (400, 400), interpolation=cv2.INTER_CUBIC)
+    box = np.array([40.0, 40.0, 360.0, 360.0])
+    values = [blockiness(recompressed(image, quality), box) for quality in (95, 30, 8)]
+    assert values[0] < values[1] < values[2]
+    assert values[0] < 1.5 < values[2]
+    assert np.isnan(blockiness(image, np.array([10.0, 10.0, 30.0, 30.0])))
