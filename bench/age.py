@@ -1356,7 +1356,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     all_faces = {photos.name: photo_faces(photos, detector, estimator) for photos in (wild, dev, calib)}
     if args.calibrate:
         calib_boxes = detections(calib, detector)
-        calib_raw = _raw_estimates([v2_probabilities(calib, calib_boxes, estimator, 0.1, False)])
+        calib_raw = _raw_estimates(
+            [
+                v2_probabilities(calib, calib_boxes, estimator, margin, mirrored)
+                for margin in age_v2.FACE_MARGINS
+                for mirrored in ((False, True) if age_v2.FACE_MIRROR else (False,))
+            ]
+        )
         wild_raw = subject_raw(all_faces[wild.name], len(wild.paths))
         ends = np.isin(wild.ages, list(WILD_END_AGES))
         end_ages = np.array([WILD_END_AGES.get(int(a), np.nan) for a in wild.ages])
