@@ -13,10 +13,10 @@ Rows:
 
 Layouts (see LAYOUTS): the CPU-only in_process service sized to the box; in_process workers that each own
 CUDA sessions and a fraction of the GPU (4 replicas: config/serve-gpu.yaml as shipped; and 8); the split
-topology (a deployment per model). The service runs on 127.0.0.1 with embedded Redis and milvus-lite
-(tests.service_harness), on a Ray node declared with every core and the one GPU. Layouts are measured in
-the order given; one that would start after --deadline-s is skipped and says so, so the run fits a fixed
-machine lease.
+topology (a deployment per model: config/serve-gpu-cluster.yaml). The service runs on 127.0.0.1 with
+embedded Redis and milvus-lite (tests.service_harness), on a Ray node declared with every core and the one
+GPU. Layouts are measured in the order given; one that would start after --deadline-s is skipped and says
+so, so the run fits a fixed machine lease.
 
 Needs onnxruntime-gpu with CUDA and cuDNN on the library path (bench/gpu_service.sh sets that up from a
 kit on such a machine).
@@ -48,6 +48,7 @@ CUDA_FIRST = ["CUDAExecutionProvider", "CPUExecutionProvider"]
 CPU_ONLY = ["CPUExecutionProvider"]
 SHIPPED_CPU = REPO_ROOT / "config" / "serve.yaml"
 SHIPPED_GPU = REPO_ROOT / "config" / "serve-gpu.yaml"
+SPLIT_GPU = REPO_ROOT / "config" / "serve-gpu-cluster.yaml"  # the split topology, for GPU clusters
 
 
 @dataclass(frozen=True)
@@ -84,43 +85,7 @@ def _shipped_gpu(cores: int) -> dict[str, Any]:
 
 
 def _split(cores: int) -> dict[str, Any]:
-    """The split topology as config/serve-gpu.yaml shipped it before these measurements: one deployment per
-    model with a quarter of the GPU each, two workers that letterbox and align."""
-    batching = {"max_ongoing_requests": 128, "ray_actor_options": {"num_cpus": 1, "num_gpus": 0.25}}
-    return {
-        "topology": "split",
-        "model_config": {"intra_op_threads": 2, "provider_preference": CUDA_FIRST},
-        "deployment_options": {
-            "ApiIngress": {
-                "autoscaling_config": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 64},
-                "ray_actor_options": {"num_cpus": 1},
-            },
-            "TransactionWorker": {
-                "num_replicas": 2,
-                "ray_actor_options": {"num_cpus": 2},
-                "user_config": {"concurrency": 64},
-            },
-            "FaceDetectorModel": {
-                **batching,
-                "autoscaling_config": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 32},
-                "user_config": {"max_batch_size": 32, "batch_wait_timeout_s": 0.004},
-            },
-            "FaceEmbedderModel": {
-                **batching,
-                "autoscaling_config": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 32},
-                "user_config": {
-                    "max_batch_size": 64,
-                    "batch_wait_timeout_s": 0.004,
-                    "max_faces_per_run": 128,
-                },
-            },
-            "AgeModel": {
-                **batching,
-                "autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 32},
-                "user_config": {"max_batch_size": 64, "batch_wait_timeout_s": 0.004, "max_faces_per_run": 64},
-            },
-        },
-    }
+    return load_serve_config(SPLIT_GPU).args.model_dump(by_alias=True)
 
 
 LAYOUTS: dict[str, Layout] = {
@@ -135,7 +100,11 @@ LAYOUTS: dict[str, Layout] = {
         "in_process, 8 workers x (1.5 cores, 1/8 GPU), 2 batches each",
         lambda cores: _in_process(CUDA_FIRST, 8, min(1.5, (cores - 1) / 8), 0.125, 2),
     ),
-    "split": Layout("split: a deployment per model, 1/4 GPU each; 2 workers", _split, direct_ingress=False),
+    "split": Layout(
+        "split: a deployment per model, 1/4 GPU each; 2 workers (config/serve-gpu-cluster.yaml)",
+        _split,
+        direct_ingress=False,
+    ),
 }
 
 

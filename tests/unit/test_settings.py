@@ -178,9 +178,12 @@ def test_every_shipped_config_validates() -> None:
     assert default.deployment_options["TransactionWorker"]["user_config"] == {"concurrency": 32}
     gpu = load_serve_config(ROOT / "config/serve-gpu.yaml")
     kuberay = parse_serve_config(_kuberay_serve_config())
-    assert not kuberay.direct_ingress  # clusters keep Serve's proxies
-    assert kuberay.args.topology == "split"
-    assert set(kuberay.args.deployment_options) == set(DEPLOYMENTS["split"])
+    cluster = load_serve_config(ROOT / "config/serve-gpu-cluster.yaml")
+    for on_a_cluster in (kuberay, cluster):
+        assert not on_a_cluster.direct_ingress  # clusters keep Serve's proxies
+        assert on_a_cluster.args.topology == "split"
+        assert set(on_a_cluster.args.deployment_options) == set(DEPLOYMENTS["split"])
+        assert on_a_cluster.args.models["provider_preference"][0] == "CUDAExecutionProvider"
     # One GPU machine (bench/gpu_service.py): in_process workers that each own CUDA sessions.
     assert gpu.direct_ingress and gpu.args.topology == "in_process"
     assert set(gpu.args.deployment_options) == set(DEPLOYMENTS["in_process"])
