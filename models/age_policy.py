@@ -15,8 +15,9 @@ of the calibration split (`python -m bench.age --calibrate-interval`, models/age
   `adult_flagged_rate` of them reach (default 1 in 100);
 - otherwise 50.
 
-A face the width map cannot vouch for (a measurement missing, or worse than any calibration photo in some
-respect) has an unbounded interval: 50 for both flags. The comparable-face rule stays: another face of at
+A face the width map cannot vouch for (a measurement missing, worse than any calibration photo in some
+respect, or one the detector is less sure of than the enrolment bar asks) has an unbounded interval: 50
+for both flags. The comparable-face rule stays: another face of at
 least OTHER_FACE_AREA_RATIO of the subject's box area whose own interval does not clear the limit (or that
 was not estimated) keeps that flag off 0, since the photo may be about it (a toddler held up by an adult
 whose face is the largest).
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from models.quality_bars import DEFAULT_QUALITY_THRESHOLDS
 from models.types import AgeEstimate, AnalyzedFace, DetectedFace, FaceQuality, subject_index
 
 AgeReason = Literal["uncertain_age", "face_quality", "another_face"]
@@ -57,6 +59,11 @@ OTHER_FACE_AREA_RATIO = 0.25
 # At most this many other faces are estimated (largest first): each costs one more age-model input. A face
 # beyond them that is large enough counts as a possible minor.
 MAX_OTHER_FACES = 4
+
+# A face the detector is less sure of than a face it would enrol is no face to clear an age on: its
+# estimate can be of a face-like pattern, a painted or masked face (a child estimated at 44 on faces-wild
+# was one, at 0.84). Below this the interval is unbounded, whatever the width map's fit.
+MIN_DETECTOR_SCORE = DEFAULT_QUALITY_THRESHOLDS.enrol.min_detector_score
 
 # The quality measures the width reads, each turned into a "badness" that is 0 on a good photo and grows
 # as the photo gets worse (AgeWidthMap.badness), and the reason code a client sees for it (the codes of
@@ -149,10 +156,18 @@ class AgeWidthMap:
             "turned": max(0.0, abs(quality.yaw) - ref["yaw"]),
         }
 
+    def outside(self, quality: FaceQuality, terms: Mapping[str, float]) -> list[str]:
+        """The terms on which the face lies outside what the interval vouches for: beyond the calibration
+        photos' range, or (unsure) below MIN_DETECTOR_SCORE."""
+        beyond = [name for name in terms if terms[name] > self.limits[name]]
+        if quality.detector_score < MIN_DETECTOR_SCORE and "unsure" not in beyond:
+            beyond.insert(0, "unsure")
+        return beyond
+
     def width(self, quality: FaceQuality | None) -> float:
         """The relative width (>= 1), infinite for a face outside the calibrated range or unmeasured."""
         terms = self.badness(quality) if quality is not None else None
-        if terms is None or any(terms[name] > self.limits[name] for name in terms):
+        if quality is None or terms is None or self.outside(quality, terms):
             return math.inf
         return math.exp(sum(self.weights[name] * value for name, value in terms.items()))
 
@@ -160,10 +175,10 @@ class AgeWidthMap:
         """The reason codes of the terms that widen this face's interval most (those adding at least a
         third of the largest term's share), worst first; unmeasured when a measurement is missing."""
         terms = self.badness(quality) if quality is not None else None
-        if terms is None:
+        if quality is None or terms is None:
             return ("unmeasured",)
         shares = {name: self.weights[name] * value for name, value in terms.items()}
-        beyond = [name for name in terms if terms[name] > self.limits[name]]
+        beyond = self.outside(quality, terms)
         top = max(shares.values())
         if not beyond and top <= 0:
             return ()

@@ -14,6 +14,7 @@ from models.age_policy import (
     INTERVAL_FILE,
     LIMITS,
     MAX_OTHER_FACES,
+    MIN_DETECTOR_SCORE,
     OTHER_FACE_AREA_RATIO,
     QUALITY_TERMS,
     AgeDecision,
@@ -242,6 +243,19 @@ def test_a_face_the_calibration_cannot_vouch_for_gets_50_for_both_flags() -> Non
     assert decision is not None and decision.quality_reasons == ("unmeasured",)
     decision = decide_age([_face(ADULT, brightness=0.05)], RULE)
     assert decision is not None and decision.quality_reasons[0] == "dark"
+
+
+def test_a_face_the_detector_would_not_enrol_is_never_cleared() -> None:
+    # Within the width map's calibrated range (its own reference is 0.9 here), but below the enrolment
+    # bar's detector score: a face-like pattern or a painted face looking 44 is no adult to clear.
+    assert WIDTH_MAP.limits["unsure"] > math.log(REFERENCES["detector_score"] / 0.84)
+    assert MIN_DETECTOR_SCORE > 0.84
+    decision = decide_age([_face(_estimate(44.0), score=0.84)], RULE)
+    assert decision is not None and _flags(decision) == (50, 50)
+    assert decision.reason == "face_quality" and decision.quality_reasons[0] == "low_detector_score"
+    assert math.isinf(decision.width)
+    cleared = decide_age([_face(_estimate(44.0), score=MIN_DETECTOR_SCORE)], RULE)
+    assert cleared is not None and _flags(cleared) == (0, 0)
 
 
 def test_quality_reasons_name_what_widened_the_interval() -> None:
