@@ -32,6 +32,7 @@ from facesearch_client.models import (
     Pending,
 )
 from facesearch_client.sync import FaceSearchClient
+from facesearch_client.webhooks import WebhookVerificationError, verify_webhook
 
 __all__ = [
     "AgeResult",
@@ -53,4 +54,6 @@ __all__ = [
     "RetriesExhausted",
     "RetryPolicy",
     "TransactionFailed",
+    "WebhookVerificationError",
+    "verify_webhook",
 ]

@@ -283,6 +283,60 @@ class WorkerSettings(_Group):
     metrics_every_s: float = Field(5.0, gt=0, description="how often each worker exports its queue gauges")
 
 
+class WebhookSettings(_Group):
+    model_config = SettingsConfigDict(env_prefix="FACESEARCH_WEBHOOK_")
+
+    allowed_hosts: Annotated[tuple[str, ...], NoDecode] = Field(
+        (),
+        description="comma-separated host names or addresses a webhook may reach although they resolve to "
+        "a loopback, private, link-local or otherwise internal address, and over plain http (every other "
+        "host must resolve to public addresses only and use https; docs/security.md)",
+    )
+    connect_timeout_s: float = Field(5.0, gt=0, description="a delivery's TCP (and TLS) connect timeout")
+    read_timeout_s: float = Field(10.0, gt=0, description="a delivery's wait for the receiver's status line")
+    total_timeout_s: float = Field(15.0, gt=0, description="bound on one delivery attempt, all of it")
+    max_response_bytes: int = Field(
+        16 * 1024, ge=256, description="the most of a receiver's answer read (its status line must fit)"
+    )
+    retry_base_s: float = Field(
+        5.0, gt=0, description="bound of the first retry's delay; each retry doubles it (full jitter)"
+    )
+    retry_max_delay_s: float = Field(3600.0, gt=0, description="the longest wait between two attempts")
+    give_up_after_s: float = Field(
+        24 * 3600.0, gt=0, description="an event not delivered this long after it was queued is marked dead"
+    )
+    lease_s: float = Field(
+        60.0,
+        gt=0,
+        description="a claimed event is due again this long after its claim if its worker died delivering "
+        "it; must exceed total_timeout_s",
+    )
+    batch: int = Field(16, ge=1, description="events each worker replica attempts at once")
+    secret_grace_s: float = Field(
+        24 * 3600.0,
+        ge=0,
+        description="after a secret rotation the old secret signs beside the new one this long",
+    )
+    log_size: int = Field(100, ge=1, description="delivery attempts kept per client (the delivery log)")
+    event_retention_s: int = Field(
+        7 * 24 * 3600,
+        ge=60,
+        description="a delivered or dead event is kept this long (for redelivery), and an idle delivery log",
+    )
+
+    @field_validator("allowed_hosts", mode="before")
+    @classmethod
+    def _hosts(cls, value: object) -> tuple[str, ...]:
+        items = value.split(",") if isinstance(value, str) else list(value)  # type: ignore[call-overload]
+        return tuple(str(item).strip().rstrip(".").lower().strip("[]") for item in items if str(item).strip())
+
+    @model_validator(mode="after")
+    def _lease_outlasts_attempt(self) -> WebhookSettings:
+        if self.lease_s <= self.total_timeout_s:
+            raise ValueError("FACESEARCH_WEBHOOK_LEASE_S must exceed FACESEARCH_WEBHOOK_TOTAL_TIMEOUT_S")
+        return self
+
+
 class RetentionSettings(_Group):
     model_config = SettingsConfigDict(env_prefix="FACESEARCH_")
 
@@ -350,6 +404,7 @@ class Settings(_Group):
     models: ModelSettings = Field(default_factory=ModelSettings)
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
     retention: RetentionSettings = Field(default_factory=RetentionSettings)
+    webhooks: WebhookSettings = Field(default_factory=WebhookSettings)
 
     # Read by models.weights and model_build (models/ knows nothing of this service); in the config table.
     EXTERNAL_VARIABLES: ClassVar[dict[str, tuple[str, str]]] = {

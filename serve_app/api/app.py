@@ -12,7 +12,7 @@ from serve_app.api.console import mount_console
 from serve_app.api.dependencies import ApiServices as ApiServices  # re-exported: the app's one argument
 from serve_app.api.json_response import JSONResponse
 from serve_app.api.limits import BodySizeLimitMiddleware
-from serve_app.api.routes import auth, gallery, proofs, transactions
+from serve_app.api.routes import auth, gallery, proofs, transactions, webhooks
 from serve_app.domain.errors import ServiceError
 
 _DESCRIPTION = (
@@ -38,6 +38,7 @@ def create_app(services: ApiServices) -> FastAPI:
             {"name": "transactions"},
             {"name": "proofs"},
             {"name": gallery.TAG},
+            {"name": webhooks.TAG},
         ],
     )
     app.state.services = services  # read by serve_app.api.dependencies.api_services
@@ -52,6 +53,8 @@ def create_app(services: ApiServices) -> FastAPI:
         app.include_router(module.router())
     if services.gallery is not None:
         app.include_router(gallery.router())
+    if services.webhooks is not None:
+        app.include_router(webhooks.router())
     mount_console(app, services.public_base_url)
 
     @app.get("/healthz", include_in_schema=False)

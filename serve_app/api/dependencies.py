@@ -16,6 +16,7 @@ from serve_app.pipelines.auth import ClientAuthenticator
 from serve_app.pipelines.gallery import GalleryService
 from serve_app.pipelines.proofs import ProofService
 from serve_app.pipelines.transactions import TransactionService
+from serve_app.pipelines.webhooks import WebhookService
 
 CLIENT_SECRET_HEADER = "Client-Secret"
 
@@ -31,6 +32,7 @@ class ApiServices:
     public_base_url: str | None
     trusted_proxies: tuple[IPNetwork, ...] = ()  # whose X-Forwarded-For is believed
     gallery: GalleryService | None = None  # the gallery management extension (api/routes/gallery.py)
+    webhooks: WebhookService | None = None  # completion webhooks (api/routes/webhooks.py)
 
 
 async def api_services(request: Request) -> ApiServices:

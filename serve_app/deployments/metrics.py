@@ -94,3 +94,30 @@ class ReconcileMetrics:
 
     def observe_last_pass(self, completed_at: float) -> None:
         self._last_pass.set(completed_at)
+
+
+class WebhookMetrics:
+    """Webhook deliveries settled by this replica (summed over replicas by Prometheus), and the queue as Redis
+    holds it (every replica exports the same values; the dashboard takes their max)."""
+
+    def __init__(self) -> None:
+        self._attempts = metrics.Counter(
+            "facesearch_webhook_deliveries",
+            "Webhook delivery attempts by outcome: delivered (2xx), retried (any other answer, a refusal, a "
+            "timeout or a connection error, with an attempt left), dead (given up)",
+            tag_keys=("outcome",),
+        )
+        self._pending = metrics.Gauge(
+            "facesearch_webhook_pending", "Webhook events not yet delivered or dead"
+        )
+        self._oldest = metrics.Gauge(
+            "facesearch_webhook_queue_age_seconds",
+            "Age of the oldest webhook event not yet delivered or dead",
+        )
+
+    def observe_outcome(self, outcome: str) -> None:
+        self._attempts.inc(1.0, tags={"outcome": outcome})
+
+    def observe_queue(self, pending: int, oldest_age_s: float) -> None:
+        self._pending.set(pending)
+        self._oldest.set(oldest_age_s)

@@ -13,12 +13,13 @@ from ray.serve.exceptions import RayServeException
 
 from serve_app.deployments.analysis import AnalysisRecipe
 from serve_app.deployments.autoscaling import BACKLOG_METRIC
-from serve_app.deployments.metrics import ReconcileMetrics, WorkerMetrics
+from serve_app.deployments.metrics import ReconcileMetrics, WebhookMetrics, WorkerMetrics
 from serve_app.deployments.user_config import WorkerConfig
 from serve_app.domain.errors import BackendUnavailable
 from serve_app.pipelines.result_archive import ResultArchiver
 from serve_app.settings import Settings
 from serve_app.stores.redis_lease import RedisLease
+from serve_app.wiring.webhooks import build_deliverer
 from serve_app.wiring.worker import WorkerStores, build_reconciler, build_worker, worker_policy
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,16 @@ class TransactionWorker:
         )
         self._reconciler = build_reconciler(settings, self._consumer, self._stores)
         self._reconcile_metrics = ReconcileMetrics()
+        # Completion webhooks: delivered by every replica beside its consumer, off the transactions' path.
+        self._webhook_metrics = WebhookMetrics()
+        self._webhooks = build_deliverer(
+            settings,
+            self._stores.redis.redis,
+            self._stores.redis.transactions,
+            self._stores.redis.records,
+            self._stores.archive,
+            self._webhook_metrics.observe_outcome,
+        )
         self._backlog = 0.0  # last queue depth read for the autoscaler
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -73,6 +84,7 @@ class TransactionWorker:
                 self._report(),
                 self._reconcile_periodically(),
                 self._archive_periodically(),
+                self._webhooks.run(self._stop),
             )
         ]
 
@@ -90,6 +102,8 @@ class TransactionWorker:
                     self._worker.in_flight,
                     await self._stores.redis.transactions.count_by_state(),
                 )
+                webhooks = await self._webhooks.queue_stats()
+                self._webhook_metrics.observe_queue(webhooks.pending, webhooks.oldest_age_s)
                 last_pass = await self._reconciler.state.last_completed()
                 if last_pass is not None:
                     self._reconcile_metrics.observe_last_pass(last_pass)

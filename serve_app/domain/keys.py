@@ -22,7 +22,8 @@ ACCESS_TOKENS = "access-token"
 PROOF_URLS = "proof-token"
 CLIENT_SECRETS = "client-secret-pepper"
 AUDIT_SUBJECTS = "audit-subject"
-PURPOSES = (ACCESS_TOKENS, PROOF_URLS, CLIENT_SECRETS, AUDIT_SUBJECTS)
+WEBHOOK_SECRETS = "webhook-secret"  # encrypts the clients' webhook signing secrets at rest
+PURPOSES = (ACCESS_TOKENS, PROOF_URLS, CLIENT_SECRETS, AUDIT_SUBJECTS, WEBHOOK_SECRETS)
 
 LEGACY_KID = "0"
 MIN_SECRET_LENGTH = 16

@@ -224,10 +224,13 @@ async def _clients(
     value: str | None,
     min_score: str | None = None,
     max_matches: str | None = None,
+    webhook_url: str | None = None,
 ) -> int:
     from serve_app.wiring.stores import redis_stores
+    from serve_app.wiring.webhooks import webhook_service
 
-    clients = redis_stores(settings).clients
+    stores = redis_stores(settings)
+    clients = stores.clients
     if action == "create":
         info, secret = await clients.create(value or "client")
         print(json.dumps({"client_id": info.client_id, "client_secret": secret, "name": info.name}))
@@ -242,7 +245,14 @@ async def _clients(
         if not value:
             print("update needs a CLIENT_ID", file=sys.stderr)
             return 2
-        return await _update_client(clients, value, min_score, max_matches)
+        if webhook_url is None or min_score is not None or max_matches is not None:
+            status = await _update_client(clients, value, min_score, max_matches)
+            if status != 0 or webhook_url is None:
+                return status
+        elif await clients.get(value) is None:
+            print(f"no client {value}", file=sys.stderr)
+            return 1
+        return await _set_webhook(webhook_service(settings, stores.redis), value, webhook_url)
     elif action == "revoke":
         if not value:
             print("revoke needs a CLIENT_ID", file=sys.stderr)
@@ -250,7 +260,59 @@ async def _clients(
         if not await clients.revoke(value):
             print(f"no client {value}", file=sys.stderr)
             return 1
+        await webhook_service(settings, stores.redis).remove(value)  # nothing more is sent to it
         print(f"revoked {value}")
+    return 0
+
+
+async def _set_webhook(webhooks: Any, client_id: str, url: str) -> int:
+    """--webhook-url: register (vetted like the API's PUT /webhook), or `none` for no endpoint (the secret is
+    kept). The secret is printed only when this made it."""
+    from serve_app.domain.errors import ValidationFailed
+
+    try:
+        if url.lower() == "none":
+            await webhooks.disable(client_id)
+            print(json.dumps({"client_id": client_id, "webhook_url": None}))
+            return 0
+        registration = await webhooks.register(client_id, url)
+    except ValidationFailed as error:
+        print(error.message, file=sys.stderr)
+        return 2
+    shown: dict[str, Any] = {"client_id": client_id, "webhook_url": registration.config.url}
+    if registration.secret is not None:
+        shown["webhook_secret"] = registration.secret
+        print("Store the webhook secret now: it is shown only this once.", file=sys.stderr)
+    print(json.dumps(shown))
+    return 0
+
+
+async def _webhooks(settings: Settings, action: str, client_id: str, event_id: str | None, limit: int) -> int:
+    """`facesearch webhooks show|rotate-secret|deliveries|redeliver CLIENT_ID [EVENT_ID]`."""
+    from serve_app.domain.errors import NotFound
+    from serve_app.wiring.stores import connect
+    from serve_app.wiring.webhooks import webhook_service
+
+    webhooks = webhook_service(settings, connect(settings))
+    try:
+        if action == "show":
+            print(json.dumps({"client_id": client_id, **dataclasses.asdict(await webhooks.get(client_id))}))
+        elif action == "rotate-secret":
+            registration = await webhooks.rotate_secret(client_id)
+            print(json.dumps({"client_id": client_id, "webhook_secret": registration.secret}))
+            print("Store the webhook secret now: it is shown only this once.", file=sys.stderr)
+        elif action == "deliveries":
+            for attempt in await webhooks.deliveries(client_id, limit):
+                print(json.dumps(dataclasses.asdict(attempt)))
+        elif action == "redeliver":
+            if not event_id:
+                print("redeliver needs an EVENT_ID (from `facesearch webhooks deliveries`)", file=sys.stderr)
+                return 2
+            queued = await webhooks.redeliver(client_id, event_id)
+            print(json.dumps({"event_id": event_id, "queued": queued}))
+    except NotFound as error:
+        print(f"{client_id}: {error.message}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -404,6 +466,18 @@ def main(argv: list[str] | None = None) -> int:
         "for the gallery-size-calibrated default (false-positive identification rate <= 1%%)",
     )
     clients_parser.add_argument("--max-matches", help="update: matches returned (1-100), or 'default'")
+    clients_parser.add_argument(
+        "--webhook-url",
+        help="update: the https endpoint completion events are POSTed to, or 'none'; the first one prints "
+        "the signing secret once",
+    )
+    webhooks_parser = commands.add_parser(
+        "webhooks", help="a client's completion webhook: show, rotate-secret, deliveries, redeliver"
+    )
+    webhooks_parser.add_argument("action", choices=("show", "rotate-secret", "deliveries", "redeliver"))
+    webhooks_parser.add_argument("client_id")
+    webhooks_parser.add_argument("event_id", nargs="?", help="redeliver: the event (evt_...)")
+    webhooks_parser.add_argument("--limit", type=int, default=20, help="deliveries: how many (newest first)")
     commands.add_parser(
         "backends",
         help="run embedded Redis/Milvus for `serve run` until interrupted; prints REDIS_URL and MILVUS_URI",
@@ -457,13 +531,26 @@ def main(argv: list[str] | None = None) -> int:
     if options.command == "backends":
         return backends(Settings.from_env())
     try:
-        settings = running_service_settings(options.command, milvus=options.command != "clients")
+        settings = running_service_settings(
+            options.command, milvus=options.command not in ("clients", "webhooks")
+        )
     except NoRunningService as error:
         print(error, file=sys.stderr)
         return 2
     if options.command == "clients":
         return asyncio.run(
-            _clients(settings, options.action, options.value, options.min_score, options.max_matches)
+            _clients(
+                settings,
+                options.action,
+                options.value,
+                options.min_score,
+                options.max_matches,
+                options.webhook_url,
+            )
+        )
+    if options.command == "webhooks":
+        return asyncio.run(
+            _webhooks(settings, options.action, options.client_id, options.event_id, options.limit)
         )
     if options.command == "reindex":
         return asyncio.run(_reindex(settings, options.tenant, options.state))

@@ -104,16 +104,18 @@ end
 return redis.call('HGETALL', KEYS[1])
 """
 
-# Non-final -> final (ARGV[1]) at time ARGV[2]: sets the field/value pairs from ARGV[6] on (the result or
+# Non-final -> final (ARGV[1]) at time ARGV[2]: sets the field/value pairs from ARGV[8] on (the result or
 # the error), the expiry ARGV[3] (0: none), pushes the completion signal (kept ARGV[4] s) and, when ARGV[5]
 # names the reference id, appends it to the stream of finished transactions the result archiver reads
-# (KEYS[4]; its entry ids are the completion times). Returns 1 when it changed the state, 0 when unknown
-# or already final.
+# (KEYS[4]; its entry ids are the completion times). When ARGV[6] (the webhook keys' prefix) is set and the
+# tenant has a webhook url, queues the transaction's completion event in the same step (the layout is
+# stores/redis_webhooks.py's; ARGV[7] is the reference id). Returns 1 when it changed the state, 0 when
+# unknown or already final.
 _FINALIZE = """
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return 0 end
 if state == 'completed' or state == 'failed' then return 0 end
-redis.call('HSET', KEYS[1], 'state', ARGV[1], 'updated_at', ARGV[2], unpack(ARGV, 6))
+redis.call('HSET', KEYS[1], 'state', ARGV[1], 'updated_at', ARGV[2], unpack(ARGV, 8))
 redis.call('HINCRBY', KEYS[2], state, -1)
 redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
 if tonumber(ARGV[3]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[3]) end
@@ -121,6 +123,17 @@ redis.call('DEL', KEYS[3])
 redis.call('RPUSH', KEYS[3], ARGV[1])
 redis.call('EXPIRE', KEYS[3], ARGV[4])
 if ARGV[5] ~= '' then redis.call('XADD', KEYS[4], '*', 'ref', ARGV[5]) end
+if ARGV[6] ~= '' then
+  local tenant = redis.call('HGET', KEYS[1], 'tenant_id')
+  if tenant and redis.call('HEXISTS', ARGV[6] .. 'webhook:' .. tenant, 'url') == 1 then
+    local id = 'evt_' .. ARGV[7]
+    local now_ms = math.floor(tonumber(ARGV[2]) * 1000)
+    redis.call('HSET', ARGV[6] .. 'wh-event:' .. id, 'tenant', tenant, 'ref', ARGV[7], 'type', ARGV[1],
+      'final_at', now_ms, 'since', now_ms, 'attempts', 0, 'state', 'pending')
+    redis.call('ZADD', ARGV[6] .. 'sys:wh-due', now_ms, id)
+    redis.call('ZADD', ARGV[6] .. 'sys:wh-born', now_ms, id)
+  end
+end
 return 1
 """
 
@@ -221,6 +234,7 @@ class RedisTransactionStore:
         replica_timeout_ms: int = 1000,
         archive_after_s: int = 0,
         idempotency_ttl_s: int = 0,
+        webhooks: bool = True,
     ) -> None:
         """finished_ttl_s: expire final transactions after this long (None: keep them).
         done_signal_ttl_s: how long a completion signal outlives the completion, for slow waiters.
@@ -229,7 +243,9 @@ class RedisTransactionStore:
         archive_after_s: > 0: list final transactions for the result archiver (finished_before), which
         moves them out of Redis this long after they became final (pipelines/result_archive.py).
         idempotency_ttl_s: how long an Idempotency-Key is remembered (0: as long as Redis keeps it); the
-        wiring passes the transaction retention, so a key outlives no transaction it names."""
+        wiring passes the transaction retention, so a key outlives no transaction it names.
+        webhooks: queue a completion event for tenants with a webhook (stores/redis_webhooks.py) in the
+        script that makes a transaction final."""
         if replicas < 0 or replica_timeout_ms <= 0:
             raise ValueError("replicas must be >= 0 and replica_timeout_ms > 0")
         self._replicas = replicas
@@ -244,6 +260,7 @@ class RedisTransactionStore:
         self._idempotency_ttl_s = idempotency_ttl_s
         self._archive_after_s = archive_after_s
         self._finished = f"{prefix}sys:tx-finished"
+        self._webhook_prefix = prefix if webhooks else ""
         # A completion signal never outlives its transaction.
         self._done_ttl_s = max(1, min(done_signal_ttl_s, self._finished_ttl_s or done_signal_ttl_s))
         self._group_ready = False
@@ -339,6 +356,8 @@ class RedisTransactionStore:
                     self._finished_ttl_s,
                     self._done_ttl_s,
                     reference_id if self._archive_after_s else "",
+                    self._webhook_prefix,
+                    reference_id,
                     *pairs,
                 ],
             )

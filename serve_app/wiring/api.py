@@ -15,6 +15,7 @@ from serve_app.pipelines.transactions import TransactionService
 from serve_app.settings import Settings
 from serve_app.stores.blobs import LocalBlobStore
 from serve_app.wiring.stores import gallery_store, redis_stores, result_archive
+from serve_app.wiring.webhooks import webhook_service
 
 
 def build_api_services(settings: Settings) -> ApiServices:
@@ -60,4 +61,5 @@ def build_api_services(settings: Settings) -> ApiServices:
         )
         if settings.milvus.uri
         else None,
+        webhooks=webhook_service(settings, stores.redis),
     )

@@ -1,0 +1,385 @@
+"""Completion webhooks on a real Redis (embedded redis-server on 127.0.0.1) against a real HTTP receiver on
+127.0.0.1, which each test's policy allows explicitly: the pipeline objects directly, no Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import orjson
+import pytest
+from pydantic import SecretStr
+
+from facesearch_client import WebhookVerificationError, verify_webhook
+from serve_app.api.app import create_app
+from serve_app.api.results import result_response
+from serve_app.api.tokens import TokenSigner
+from serve_app.domain.errors import ValidationFailed
+from serve_app.domain.outcomes import AgeEstimationOutcome
+from serve_app.launch.embedded import EmbeddedRedis
+from serve_app.settings import AuthSettings, MilvusSettings, RedisSettings, Settings, WebhookSettings
+from serve_app.wiring.api import build_api_services
+from serve_app.wiring.stores import redis_stores
+from tests.integration.webhook_support import (
+    KEY,
+    TENANT,
+    Pipeline,
+    Receiver,
+    free_port,
+    pipeline,
+    policy,
+)
+
+T = TypeVar("T")
+REPO = Path(__file__).resolve().parents[2]
+# Hang guard, not a speed bound: each attempt has its own timeouts of seconds.
+HANG_GUARD_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    server = EmbeddedRedis(tmp_path_factory.mktemp("webhooks-redis"))
+    server.start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def run(scenario: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    async def guarded() -> T:
+        return await asyncio.wait_for(scenario(), HANG_GUARD_S)
+
+    return asyncio.run(guarded())
+
+
+def fresh(redis_url: str, **overrides: Any) -> Pipeline:
+    return pipeline(redis_url, f"t{uuid.uuid4().hex[:8]}:", policy(**overrides))
+
+
+def reference() -> str:
+    return uuid.uuid4().hex
+
+
+async def until(condition: Callable[[], Awaitable[bool]], step: Callable[[], Awaitable[object]]) -> None:
+    while not await condition():
+        await step()
+        await asyncio.sleep(0.02)
+
+
+def test_a_delivered_event_verifies_with_the_client_helper_and_carries_the_result(redis_url: str) -> None:
+    async def scenario() -> None:
+        hooks = fresh(redis_url)
+        receiver = await Receiver().start()
+        registration = await hooks.service.register(TENANT, receiver.url)
+        assert registration.secret is not None and registration.secret.startswith("whsec_")
+        completed, failed = reference(), reference()
+        await hooks.finish(completed)
+        await hooks.finish(failed, fail=True)
+        deliverer = hooks.deliverer(policy())
+        assert await deliverer.run_once() == 2
+        assert sorted(receiver.event_ids()) == sorted([f"evt_{completed}", f"evt_{failed}"])
+        events = {}
+        for item in receiver.received:
+            event = verify_webhook(registration.secret, item.headers, item.body)
+            events[event["data"]["reference_id"]] = event
+            with pytest.raises(WebhookVerificationError):  # one byte changed
+                verify_webhook(registration.secret, item.headers, item.body.replace(b"31", b"32"))
+            with pytest.raises(WebhookVerificationError):  # an old request replayed
+                verify_webhook(registration.secret, item.headers, item.body, now=10_000.0)
+        done = events[completed]
+        assert done["type"] == "transaction.completed" and done["id"] == f"evt_{completed}"
+        assert done["data"]["transaction_type"] == "age_estimation" and done["data"]["state"] == "completed"
+        # The very body /result answers for it, rendered by the same function.
+        tx = await hooks.transactions.get(completed)
+        assert tx is not None
+        signer = TokenSigner(KEY, 900, 900)
+        assert done["data"]["result"] == orjson.loads(result_response(tx, "", signer, created=False).body)
+        assert done["data"]["result"]["result"]["data"]["age"] == 31
+        assert events[failed]["type"] == "transaction.failed"
+        assert events[failed]["data"]["result"]["errors"] == {"transaction": "no face found"}
+        log = await hooks.service.deliveries(TENANT, 10)
+        assert {(a.outcome, a.status_code) for a in log} == {("delivered", 204)}
+        assert (await hooks.store.event_state(f"evt_{completed}"))["state"] == "delivered"
+        assert await deliverer.run_once() == 0  # delivered once, not again
+        await receiver.stop()
+
+    run(scenario)
+
+
+def test_the_event_is_queued_by_the_final_write_itself_and_only_for_a_registered_tenant(
+    redis_url: str,
+) -> None:
+    async def scenario() -> None:
+        hooks = fresh(redis_url)
+        before = reference()
+        await hooks.finish(before)  # no webhook yet: nothing queued
+        assert await hooks.store.event_state(f"evt_{before}") == {}
+        await hooks.service.register(TENANT, "http://127.0.0.1:9/")
+        after = reference()
+        await hooks.finish(after)
+        # Already there when complete() returns: no step after the final write could be lost.
+        assert (await hooks.store.event_state(f"evt_{after}"))["state"] == "pending"
+        again = AgeEstimationOutcome(age=1, under_18=100, under_21=100)
+        assert not await hooks.transactions.complete(after, again)  # already final: no second event
+        assert (await hooks.store.stats(0)).pending == 1
+        await hooks.service.disable(TENANT)
+        last = reference()
+        await hooks.finish(last)
+        assert await hooks.store.event_state(f"evt_{last}") == {}
+
+    run(scenario)
+
+
+def test_a_receiver_down_for_a_while_then_back_gets_every_event(redis_url: str) -> None:
+    async def scenario() -> None:
+        hooks = fresh(redis_url)
+        port = free_port()
+        receiver = Receiver(port=port)  # not started: connections are refused
+        await hooks.service.register(TENANT, receiver.url)
+        references = [reference() for _ in range(6)]
+        for ref in references:
+            await hooks.finish(ref)
+        outcomes: list[str] = []
+        deliverer = hooks.deliverer(policy(), on_outcome=outcomes.append)
+        for _ in range(3):  # down: each event fails and is retried later
+            await deliverer.run_once()
+            await asyncio.sleep(0.25)
+        assert outcomes and set(outcomes) == {"retried"}
+        failures = await hooks.service.deliveries(TENANT, 50)
+        assert all(a.status_code is None and "connect failed" in (a.error or "") for a in failures)
+        assert all(a.next_attempt_at is not None for a in failures)
+        await receiver.start()  # back, on the same port
+
+        async def all_delivered() -> bool:
+            states = [await hooks.store.event_state(f"evt_{ref}") for ref in references]
+            return all(state["state"] == "delivered" for state in states)
+
+        await until(all_delivered, deliverer.run_once)
+        assert sorted(set(receiver.event_ids())) == sorted(f"evt_{ref}" for ref in references)
+        assert outcomes.count("delivered") == len(references)
+        assert (await hooks.store.stats(0)).pending == 0
+        await receiver.stop()
+
+    run(scenario)
+
+
+def test_a_worker_killed_mid_delivery_loses_nothing(redis_url: str) -> None:
+    async def scenario() -> None:
+        hooks = fresh(redis_url)
+        # The first request is held unanswered (the child is killed while it waits), later ones answered.
+        receiver = await Receiver(answer=lambda n: (None, 200) if n == 1 else (0.0, 200)).start()
+        await hooks.service.register(TENANT, receiver.url)
+        ref = reference()
+        await hooks.finish(ref)
+        prefix = hooks.store.prefix
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tests.integration.webhook_support", redis_url, prefix,
+            cwd=REPO, stdout=asyncio.subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(REPO)},
+        )  # fmt: skip
+        try:
+            await asyncio.wait_for(receiver.arrived.wait(), HANG_GUARD_S / 2)
+            child.send_signal(signal.SIGKILL)  # mid-delivery: the request is out, no answer yet
+        finally:
+            if child.returncode is None:
+                child.kill()
+            await child.wait()
+        # Nothing settled: the child died holding the event's lease.
+        assert (await hooks.store.event_state(f"evt_{ref}"))["state"] == "delivering"
+        assert await hooks.service.deliveries(TENANT, 10) == []
+        deliverer = hooks.deliverer(policy())
+        assert await deliverer.run_once() == 0  # the lease still holds it
+
+        async def delivered() -> bool:
+            return (await hooks.store.event_state(f"evt_{ref}"))["state"] == "delivered"
+
+        await until(delivered, deliverer.run_once)  # due again once the child's lease lapsed
+        assert receiver.event_ids() == [f"evt_{ref}", f"evt_{ref}"]  # at least once: here twice, same id
+        log = await hooks.service.deliveries(TENANT, 10)
+        assert [(a.attempt, a.outcome) for a in log] == [(2, "delivered")]
+        await receiver.stop()
+
+    run(scenario)
+
+
+def test_a_slow_receiver_times_out_and_is_retried(redis_url: str) -> None:
+    async def scenario() -> None:
+        hooks = fresh(redis_url)
+        receiver = await Receiver(answer=lambda n: (2.0, 200) if n == 1 else (0.0, 200)).start()
+        await hooks.service.register(TENANT, receiver.url)
+        ref = reference()
+        await hooks.finish(ref)
+        deliverer = hooks.deliverer(policy(read_timeout_s=0.3, total_timeout_s=0.5, lease_s=2.0))
+        await deliverer.run_once()
+        (first,) = await hooks.service.deliveries(TENANT, 10)
+        assert (
+            first.outcome == "retrying" and first.status_code is None and "timed out" in (first.error or "")
+        )
+
+        async def delivered() -> bool:
+            return (await hooks.store.event_state(f"evt_{ref}"))["state"] == "delivered"
+
+        await until(delivered, deliverer.run_once)
+        assert receiver.event_ids() == [f"evt_{ref}", f"evt_{ref}"]
+        assert [a.outcome for a in await hooks.service.deliveries(TENANT, 10)] == ["delivered", "retrying"]
+        await receiver.stop()
+
+    run(scenario)
+
+
+def test_non_2xx_answers_are_retried_and_the_event_dies_after_the_window(redis_url: str) -> None:
+    async def scenario() -> None:
+        hooks = fresh(redis_url)
+        receiver = await Receiver(answer=lambda _n: (0.0, 302)).start()  # a redirect is not followed
+        await hooks.service.register(TENANT, receiver.url)
+        ref = reference()
+        await hooks.finish(ref)
+        outcomes: list[str] = []
+        deliverer = hooks.deliverer(policy(give_up_after_s=0.5), on_outcome=outcomes.append)
+
+        async def dead() -> bool:
+            return (await hooks.store.event_state(f"evt_{ref}")).get("state") == "dead"
+
+        await until(dead, deliverer.run_once)
+        assert outcomes[-1] == "dead" and set(outcomes[:-1]) == {"retried"}
+        assert {a.status_code for a in await hooks.service.deliveries(TENANT, 50)} == {302}
+        assert all(item.headers.get("host") == f"127.0.0.1:{receiver.port}" for item in receiver.received)
+        # Redelivery: a fresh window, delivered once the receiver answers 2xx.
+        receiver.answer = lambda _n: (0.0, 200)
+        assert await hooks.service.redeliver(TENANT, f"evt_{ref}") is True
+        with pytest.raises(Exception, match="No such event"):
+            await hooks.service.redeliver("cl_another", f"evt_{ref}")
+
+        async def delivered() -> bool:
+            return (await hooks.store.event_state(f"evt_{ref}"))["state"] == "delivered"
+
+        await until(delivered, deliverer.run_once)
+        await receiver.stop()
+
+    run(scenario)
+
+
+def test_refused_addresses_are_refused_without_a_connection(redis_url: str) -> None:
+    """A listening socket on a refused address: a connection attempt would complete the handshake into its
+    backlog, so accept() finding nothing shows none was made."""
+
+    async def scenario() -> None:
+        strict = policy(allowed_hosts=frozenset())  # 127.0.0.1 not allowed here
+        hooks = fresh(redis_url, allowed_hosts=frozenset())
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        listener.setblocking(False)
+        port = listener.getsockname()[1]
+        try:
+            for url in (
+                f"https://127.0.0.1:{port}/",
+                f"https://localhost:{port}/",
+                f"https://[::ffff:127.0.0.1]:{port}/",
+                f"http://127.0.0.1:{port}/",
+            ):
+                with pytest.raises(ValidationFailed):
+                    await hooks.service.register(TENANT, url)
+            assert await hooks.store.get(TENANT) is None
+            # Registered while the operator allowed the host, refused at delivery once it no longer is.
+            allowing = fresh(redis_url)
+            await allowing.service.register(TENANT, f"https://127.0.0.1:{port}/")
+            ref = reference()
+            await allowing.finish(ref)
+            await allowing.deliverer(strict).run_once()
+            (attempt,) = await allowing.service.deliveries(TENANT, 10)
+            assert attempt.outcome == "retrying" and "refused" in (attempt.error or "")
+            assert "loopback" in (attempt.error or "")
+            with pytest.raises(BlockingIOError):
+                listener.accept()
+        finally:
+            listener.close()
+
+    run(scenario)
+
+
+def test_a_rotated_secret_signs_beside_the_old_one_for_its_grace(redis_url: str) -> None:
+    async def scenario() -> None:
+        hooks = fresh(redis_url)
+        receiver = await Receiver().start()
+        first = (await hooks.service.register(TENANT, receiver.url)).secret
+        assert first is not None
+        assert (await hooks.service.register(TENANT, receiver.url)).secret is None  # shown once only
+        second = (await hooks.service.rotate_secret(TENANT)).secret
+        assert second is not None and second != first
+        ref = reference()
+        await hooks.finish(ref)
+        await hooks.deliverer(policy()).run_once()
+        (item,) = receiver.received
+        assert len(item.headers["webhook-signature"].split(" ")) == 2
+        for secret in (first, second, [second, "whsec_" + "A" * 44]):
+            assert verify_webhook(secret, item.headers, item.body)["id"] == f"evt_{ref}"
+        # Stored sealed: neither secret appears in Redis.
+        redis = hooks.store._redis
+        raw = await redis.hgetall(f"{hooks.store.prefix}webhook:{TENANT}")
+        assert all(first not in v and second not in v for v in raw.values())
+        await receiver.stop()
+
+    run(scenario)
+
+
+def test_the_client_manages_its_webhook_through_the_api(redis_url: str, tmp_path: Path) -> None:
+    settings = Settings(
+        data_dir=tmp_path,
+        redis=RedisSettings(url=redis_url, key_prefix=f"a{uuid.uuid4().hex[:6]}:"),
+        milvus=MilvusSettings(uri=None, token=""),
+        auth=AuthSettings(secret_key=SecretStr(KEY)),
+        webhooks=WebhookSettings(allowed_hosts=("127.0.0.1",)),
+    )
+
+    async def scenario() -> None:
+        app = create_app(build_api_services(settings))
+        info, secret = await redis_stores(settings).clients.create("webhook-api")
+        transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 40000))
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://testserver", headers={"Client-Secret": secret}
+        ) as http:
+            missing = await http.get("/webhook")
+            assert missing.status_code == 404 and missing.json()["status"] is False
+            refused = await http.put("/webhook", json={"url": "https://10.1.2.3/hook"})
+            assert refused.status_code == 422
+            assert refused.json()["errors"] == {"url": "resolves to a private address"}
+            plain = await http.put("/webhook", json={"url": "http://203.0.113.9/hook"})
+            assert plain.status_code == 422 and plain.json()["errors"] == {"url": "must use https"}
+            created = await http.put("/webhook", json={"url": "http://127.0.0.1:9/hook"})
+            assert created.status_code == 200, created.text
+            data = created.json()["result"]["data"]
+            assert data["url"] == "http://127.0.0.1:9/hook" and data["secret"].startswith("whsec_")
+            shown = (await http.get("/webhook")).json()["result"]["data"]
+            assert shown["secret"] is None and shown["url"] == data["url"]
+            again = (await http.put("/webhook", json={"url": "http://127.0.0.1:10/hook"})).json()
+            assert again["result"]["data"]["secret"] is None  # shown once, at creation only
+            rotated = (await http.post("/webhook/secret")).json()["result"]["data"]
+            assert rotated["secret"].startswith("whsec_") and rotated["secret"] != data["secret"]
+            assert rotated["previous_secret_valid_until"] is not None
+            log = await http.get("/webhook/deliveries", params={"limit": "5"})
+            assert log.status_code == 200 and log.json()["result"]["data"] == {"deliveries": []}
+            bad_limit = await http.get("/webhook/deliveries", params={"limit": "0"})
+            assert bad_limit.status_code == 422 and "limit" in bad_limit.json()["errors"]
+            unknown = await http.post(f"/webhook/events/evt_{'0' * 32}/redeliver")
+            assert unknown.status_code == 404 and unknown.json()["errors"] == {"event_id": "unknown event"}
+            malformed = await http.post("/webhook/events/evt_x/redeliver")
+            assert malformed.status_code == 422
+            removed = await http.delete("/webhook")
+            assert removed.json()["result"]["data"] == {"deleted": True}
+            assert (await http.get("/webhook")).status_code == 404
+            anonymous = await http.get("/webhook", headers={"Client-Secret": "wrong"})
+            assert anonymous.status_code == 401
+            paths = (await http.get("/openapi.json")).json()["paths"]
+            assert {"/webhook", "/webhook/secret", "/webhook/deliveries"} <= set(paths)
+        assert info.client_id
+
+    run(scenario)
