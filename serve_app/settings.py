@@ -65,6 +65,26 @@ class RedisSettings(_Group):
     wait_timeout_ms: int = Field(
         1000, ge=1, description="how long a create waits for those replicas before answering 503"
     )
+    # The lock of a face's client_reference (pipelines/lifecycle.py), taken by enrolments, removals,
+    # re-indexing and reconciliation's repairs.
+    lock_wait_s: float = Field(
+        30.0,
+        gt=0,
+        description="waiting for a client_reference's lock gives up after this: 503 to an API caller, a "
+        "failed attempt to a worker (a transaction whose attempts all time out ends `failed`)",
+    )
+    lock_ttl_s: float = Field(
+        10.0,
+        gt=0,
+        description="a client_reference's lock lapses this long after its holder last renewed it (it renews "
+        "every third of this while it works)",
+    )
+    lock_max_hold_s: float = Field(
+        300.0,
+        gt=0,
+        description="a holder stops renewing a client_reference's lock after this, so one stuck while alive "
+        "cannot block the reference for ever",
+    )
 
 
 class MilvusSettings(_Group):

@@ -64,6 +64,13 @@ class BackendRejected(BackendUnavailable):
     instead of requeueing it as an outage forever: retrying the same request cannot help."""
 
 
+class LockUnavailable(BackendUnavailable):
+    """A face's lock was not taken within its wait, or was lost while held (its holder was paused past
+    the lock's expiry and another took it): 503 to a client, and a failed attempt to a worker, so a
+    reference that stays locked ends its transactions `failed` after max_deliveries instead of requeueing
+    them for ever."""
+
+
 class NotReplicated(BackendUnavailable):
     """A create was written on the Redis master but not acknowledged by the replicas in time (503): the
     transaction `reference_id` exists and may be processed, and a retry with its Idempotency-Key gets it."""

@@ -1,11 +1,10 @@
 """Gallery management per tenant (an extension beyond the vendor interface): list the enrolled faces,
 delete one, erase every face of a client_reference, statistics, and the audit trail of removals.
 
-Removal order is the one TransactionProcessor.remove uses: vector first (the face stops matching at once),
-then the record (a vector without its record never matches anyway), then the proof image. Removals of a
-client_reference's faces hold that reference's lock, which every enrolment under a reference takes too, so
-an erasure racing an enrolment of the same reference either removes the new face or runs before it was
-written, and never leaves a vector or proof without its record. An erasure leaves a tombstone (the time it
+Removals go through FaceLifecycle (pipelines/lifecycle.py), which owns their order and the lock. Removals
+of a client_reference's faces hold that reference's lock, which every enrolment under a reference takes
+too, so an erasure racing an enrolment of the same reference either removes the new face or runs before it
+was written, and never leaves a vector or proof without its record. An erasure leaves a tombstone (the time it
 ran, under a hash of the reference): a transaction accepted before it never enrols the reference
 afterwards, and results read after it no longer name the reference (TransactionService.readable).
 """
@@ -15,7 +14,7 @@ from __future__ import annotations
 import base64
 import binascii
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from serve_app.domain.errors import NotFound, ValidationFailed
@@ -23,7 +22,8 @@ from serve_app.domain.faces import FaceRecord
 from serve_app.domain.gallery import MAX_PAGE_SIZE, AuditAction, AuditEntry, GalleryCounts
 from serve_app.domain.identifiers import is_face_id
 from serve_app.domain.keys import AUDIT_SUBJECTS, PurposeKeys, as_purpose_keys, subject_hash
-from serve_app.stores.interfaces import AuditLog, BlobStore, FaceRecordStore, GalleryStore
+from serve_app.pipelines.lifecycle import FaceLifecycle
+from serve_app.stores.interfaces import AuditLog, BlobStore, FaceRecordStore, GalleryStore, LockPolicy
 
 _FACE_CURSOR = "face:"
 _AUDIT_CURSOR = "audit:"
@@ -89,18 +89,16 @@ class GalleryService:
         *,
         subject_key: PurposeKeys | bytes,
         model_version: str,
-        lock_timeout_s: float = 30.0,
+        lock: LockPolicy,
         clock: Callable[[], float] = time.time,
     ) -> None:
         """subject_key: the key ring's audit keys the trail's subject hashes are keyed with (a bare key: kid
         0), so a trail that leaks does not let anyone confirm a guessed client_reference."""
         self._records = records
-        self._gallery = gallery
-        self._blobs = blobs
+        self._faces = FaceLifecycle(records, gallery, blobs, lock)
         self._audit = audit
         self._subject_keys = as_purpose_keys(AUDIT_SUBJECTS, subject_key)
         self._model_version = model_version
-        self._lock_timeout_s = lock_timeout_s
         self._clock = clock
 
     def subject_hash(self, kind: str, value: str) -> str:
@@ -136,7 +134,7 @@ class GalleryService:
             raise NotFound("No enrolled face has this face_id.")
         # Under the lock a re-index of the face takes too (and, for a face with a client_reference, every
         # enrolment and erasure of it), so none of them writes the face back after it was removed.
-        async with self._records.reference_lock(tenant_id, record.lock_subject, self._lock_timeout_s):
+        async with self._faces.locked(tenant_id, record.lock_subject) as lock:
             # Re-read under the lock: an erasure may have removed it meanwhile.
             current = await self._records.get(tenant_id, face_id)
             if current is None:
@@ -152,17 +150,17 @@ class GalleryService:
                     subject=self.subject_hash("face", face_id),
                 ),
             )
-            await self._remove([current])
+            await self._faces.remove([current], lock)
 
     async def erase_reference(self, tenant_id: str, actor: str, client_reference: str) -> Erasure:
         """Remove every face of the reference. Idempotent: an unknown reference erases 0 faces (and is
         still audited: the request was honoured)."""
-        async with self._records.reference_lock(tenant_id, client_reference, self._lock_timeout_s):
+        async with self._faces.locked(tenant_id, client_reference) as lock:
             # The tombstone first, under the lock every enrolment of the reference takes: a transaction
             # accepted before this moment but processed later finds it and does not enrol the reference
             # again (TransactionProcessor._enroll), and results read later stop naming it.
             erased_at = self._clock()
-            await self._records.mark_erased(tenant_id, client_reference, erased_at)
+            await self._records.mark_erased(tenant_id, client_reference, erased_at, lock)
             records = await self._records.records_for_reference(tenant_id, client_reference)
             # The audit entry is written before the faces are removed: a removal that happened always has
             # its entry, even if this process dies or a store fails right after it. One that failed midway
@@ -177,17 +175,8 @@ class GalleryService:
                     subject=self.subject_hash("reference", client_reference),
                 ),
             )
-            await self._remove(records)
+            await self._faces.remove(records, lock)
         return Erasure(client_reference, len(records), erased_at)
-
-    async def _remove(self, records: Sequence[FaceRecord]) -> None:
-        if not records:
-            return
-        tenant_id = records[0].tenant_id
-        await self._gallery.delete(tenant_id, [record.face_id for record in records])
-        for record in records:
-            await self._records.delete(tenant_id, record.face_id)
-            await self._blobs.delete(record.proof_key)
 
     async def stats(self, tenant_id: str) -> GalleryStats:
         return GalleryStats(await self._records.counts(tenant_id), self._model_version)

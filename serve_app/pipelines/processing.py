@@ -22,7 +22,7 @@ from models.age_policy import AgeDecision, AgeIntervalRule, decide_age
 from models.calibration import DEFAULT_FPIR, FaceScoreCalibration
 from models.types import AnalyzedFace, FaceQuality, largest_face
 from serve_app.domain.errors import ServiceError
-from serve_app.domain.faces import FaceRecord, GalleryEntry
+from serve_app.domain.faces import FaceRecord
 from serve_app.domain.outcomes import (
     AgeDecisionReport,
     AgeEstimationOutcome,
@@ -34,11 +34,14 @@ from serve_app.domain.outcomes import (
 from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState
 from serve_app.imaging.decode import decode_image
 from serve_app.pipelines.analysis import FaceAnalysisBackend
+from serve_app.pipelines.lifecycle import FaceLifecycle
 from serve_app.stores.interfaces import (
     BlobStore,
     ClientStore,
     FaceRecordStore,
     GalleryStore,
+    HeldLock,
+    LockPolicy,
     TransactionStore,
 )
 
@@ -59,7 +62,7 @@ class ProcessingPolicy:
     max_image_pixels: int
     analysis_max_side: int
     calibration: FaceScoreCalibration
-    override_lock_timeout_s: float = 30.0
+    lock: LockPolicy  # of a client_reference's enrolments (pipelines/lifecycle.py)
     fpir: float = DEFAULT_FPIR
     # A probe below the quality gate's search bar still searches, but cannot produce certainty: it must
     # clear the bar of a ten times lower FPIR, and its scores are capped at low_quality_score_cap (or at
@@ -125,6 +128,7 @@ class TransactionProcessor:
         self._analysis = analysis
         self._policy = policy
         self._clients = clients
+        self._faces = FaceLifecycle(records, gallery, blobs, policy.lock)
         self._tenants: dict[str, _TenantSearch] = {}
 
     async def process(self, reference_id: str) -> None:
@@ -204,20 +208,21 @@ class TransactionProcessor:
             await self._withdraw(tx)
 
     async def _withdraw(self, tx: Transaction) -> None:
-        """Remove this transaction's own face, in the order `remove` uses (vector, record, then the upload,
-        which is its proof image), under the reference's lock. Only its own: the face an override was to
-        replace is never touched here. Every step is a no-op when there is nothing to remove."""
+        """Remove this transaction's own face (FaceLifecycle.remove_by_id), under the reference's lock, and
+        its upload. Only its own: the face an override was to replace is never touched here. Every step is
+        a no-op when there is nothing to remove.
+
+        When nothing of the face is stored, the lock is not taken: a transaction given up because its
+        attempts kept timing out on a busy reference's lock must not need that lock to end. An attempt
+        still running may enrol after this check; it then finds the transaction failed when it tries to
+        complete it, and withdraws its face itself (process)."""
         if tx.enroll_face:
             face_id = enrolled_face_id(tx.reference_id)
-            if tx.client_reference:
-                async with self._records.reference_lock(
-                    tx.tenant_id, tx.client_reference, self._policy.override_lock_timeout_s
-                ):
-                    await self._gallery.delete(tx.tenant_id, [face_id])
-                    await self._records.delete(tx.tenant_id, face_id)
-            else:
-                await self._gallery.delete(tx.tenant_id, [face_id])
-                await self._records.delete(tx.tenant_id, face_id)
+            if not tx.client_reference:
+                await self._faces.remove_by_id(tx.tenant_id, face_id, None, None)
+            elif await self._faces.is_stored(tx.tenant_id, face_id):
+                async with self._faces.locked(tx.tenant_id, tx.client_reference) as lock:
+                    await self._faces.remove_by_id(tx.tenant_id, face_id, None, lock)
         await self._blobs.delete(tx.image_key)  # never used again: not an upload in flight, not a proof
 
     async def _load_image(self, tx: Transaction) -> Any:
@@ -356,22 +361,20 @@ class TransactionProcessor:
             # Serialise enrolments under one client_reference: concurrent overrides leave exactly one
             # image, and an erasure of the reference (pipelines/gallery.py) never interleaves with the
             # writes of an enrolment, which would leave a vector without its record.
-            async with self._records.reference_lock(
-                tx.tenant_id, tx.client_reference, self._policy.override_lock_timeout_s
-            ):
+            async with self._faces.locked(tx.tenant_id, tx.client_reference) as lock:
                 erased_at = await self._records.erased_at(tx.tenant_id, tx.client_reference)
                 if erased_at is not None and erased_at >= tx.created_at:
                     # Accepted before the reference was erased: erasure means erased, so the face is
                     # not enrolled (the result says enrolled: false) and its upload is dropped.
                     return False
                 if tx.allow_override:
-                    return await self._override(record, face)
-                await self._add(record, face)
+                    return await self._override(record, face, lock)
+                await self._faces.enrol(record, face.embedding, lock)
                 return True
-        await self._add(record, face)
+        await self._faces.enrol(record, face.embedding, None)
         return True
 
-    async def _override(self, record: FaceRecord, face: AnalyzedFace) -> bool:
+    async def _override(self, record: FaceRecord, face: AnalyzedFace, lock: HeldLock) -> bool:
         assert record.client_reference is not None
         current = await self._transactions.get(record.reference_id)
         if current is not None and current.state is TransactionState.FAILED:
@@ -388,37 +391,22 @@ class TransactionProcessor:
             if latest is not None and latest.created_at > record.created_at:
                 return False  # a later submission already replaced this reference's image
             replaces = latest.face_id if latest is not None else None
-        await self._add(dataclasses.replace(record, replaces=replaces), face)
+        assert face.embedding is not None
+        # A crash between the new face's writes and the removal below leaves the record naming the face it
+        # replaces: the retry reads that decision back (earlier_attempt) and finishes the removal.
+        await self._faces.enrol(dataclasses.replace(record, replaces=replaces), face.embedding, lock)
         if replaces is not None and replaces != record.face_id:
-            previous = await self._records.get(record.tenant_id, replaces)
-            if previous is not None:
-                await self.remove(previous)
+            await self._remove_replaced(record.tenant_id, replaces, lock)
         return True
 
-    async def _add(self, record: FaceRecord, face: AnalyzedFace) -> None:
-        assert face.embedding is not None
-        # Record first, vector second: a vector is never searchable without its record. A crash in between
-        # leaves a record without a vector, which the retry completes or reconciliation removes.
-        await self._records.put(record)
-        await self._gallery.add(
-            [
-                GalleryEntry(
-                    face_id=record.face_id,
-                    tenant_id=record.tenant_id,
-                    model_version=record.model_version,
-                    embedding=face.embedding,
-                    created_at=record.created_at,
-                )
-            ]
-        )
-
-    async def remove(self, record: FaceRecord) -> None:
-        # An override that crashed before removing the face it replaced left that face behind; finish it.
-        if record.replaces is not None:
-            unfinished = await self._records.get(record.tenant_id, record.replaces)
-            if unfinished is not None:
-                await self.remove(unfinished)
-        # Vector first so the face stops matching before its record and proof disappear.
-        await self._gallery.delete(record.tenant_id, [record.face_id])
-        await self._records.delete(record.tenant_id, record.face_id)
-        await self._blobs.delete(record.proof_key)
+    async def _remove_replaced(self, tenant_id: str, face_id: str, lock: HeldLock) -> None:
+        """Remove the face an override replaces, and those it had replaced itself if an earlier override
+        crashed before removing them, under the reference's lock (they share the reference)."""
+        doomed: list[FaceRecord] = []
+        next_id: str | None = face_id
+        while next_id is not None and (previous := await self._records.get(tenant_id, next_id)) is not None:
+            doomed.append(previous)
+            next_id = previous.replaces if previous.replaces not in {p.face_id for p in doomed} else None
+        # The oldest first, as one removal each did before: the newest stays until its predecessors went.
+        for previous in reversed(doomed):
+            await self._faces.remove([previous], lock)

@@ -42,16 +42,18 @@ and with them any vector of the face an older model version left behind (so no c
 of another face model version (a gallery enrolled before an upgrade) has its vector in that version's own
 collection, not in this one: it is left alone (kept for re-indexing, never searched).
 
-Scale: one pass at a time across the cluster (a lease in the ReconcileState that expires when its holder
-dies, renewed after every batch); tenants and faces are walked in face id order with cursors (records'
-sorted index, Milvus' query iterator), and the cursor is saved after every batch, so a pass interrupted by
-a crash is resumed by the next holder. Memory is one batch of ids, whatever the size of the gallery.
+Scale: one pass at a time across the cluster (the "reconcile" job of pipelines/jobs.py: a lease that
+expires when its holder dies, renewed after every batch, and a cursor written only by the lease's holder);
+tenants and faces are walked in face id order with cursors (records' sorted index, Milvus' query iterator),
+and the cursor is saved after every batch, so a pass interrupted by a crash is resumed by the next holder.
+A holder that lost the lease (it was paused past its expiry) stops at its next renewal and never overwrites
+the cursor of the holder that took over. Memory is one batch of ids, whatever the size of the gallery.
 
-Given the transaction store and an upload grace period, it also sweeps orphaned blobs: uploads and proofs
-that neither a queued transaction nor a face record refers to (an upload whose transaction was never
-created, a file a crash left behind between two deletions), once older than the grace period. That sweep
-still gathers every proof key of the gallery in memory (blob file names are key hashes; see
-docs/architecture.md).
+Every repair takes the face's lock and removes through FaceLifecycle (pipelines/lifecycle.py), in the
+order every removal uses.
+
+Given an orphan grace period, the pass ends with the sweep of orphaned blobs (pipelines/blob_sweep.py),
+under the same lease and cursor, a page of blobs at a time.
 """
 
 from __future__ import annotations
@@ -59,35 +61,36 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from serve_app.domain.faces import FaceRecord, lock_subject
+from serve_app.domain.faces import lock_subject
 from serve_app.domain.identifiers import is_face_id
 from serve_app.domain.transactions import Transaction
+from serve_app.pipelines.blob_sweep import BlobSweep, SweepReport
+from serve_app.pipelines.jobs import JobPass, LeasedJob, LeaseLost
+from serve_app.pipelines.lifecycle import FaceLifecycle
 from serve_app.stores.interfaces import (
     BlobStore,
     FaceRecordStore,
     GalleryStore,
+    LockPolicy,
     ReconcileState,
     TransactionStore,
 )
 
 logger = logging.getLogger(__name__)
 
-_RECORD_BATCH = 500
 VECTOR = "vector"  # suspect kinds: a vector without a record, a record without a vector
 RECORD = "record"
 
 
 @dataclass(frozen=True)
 class ReconcilePolicy:
+    lock: LockPolicy  # a face's lock (its client_reference's, or its own), as every writer takes it
     grace_s: float = 600.0  # how long a face must stay inconsistent before it is repaired
     batch: int = 1000  # ids per read: the pass's memory, whatever the gallery's size
     lease_s: float = 120.0  # a holder that stops renewing (it died) loses the lease after this
-    lock_timeout_s: float = 30.0  # waiting for a face's lock (its client_reference's, or its own)
     model_version: str | None = None  # the gallery's version; records of others are not its business
     orphan_grace_s: float | None = None  # None: no blob sweep
 
@@ -100,6 +103,7 @@ class ReconcileReport:
     records_removed: int = 0
     suspects: int = 0  # faces seen inconsistent and not (yet) repaired: in their grace period or in flight
     blobs_removed: int = 0
+    blobs_kept_unnamed: int = 0  # old blobs stored before their key was recorded: kept
     records_other_version: int = 0
     completed: bool = False  # False: the lease was lost before the end; the next holder resumes
     resumed: bool = False  # continued a pass an earlier holder left unfinished
@@ -108,7 +112,7 @@ class ReconcileReport:
 @dataclass
 class _Cursor:
     tenant: str
-    phase: str  # "records", "vectors", "suspects" (their re-check), then "done"
+    phase: str  # "records", "vectors", "suspects" (their re-check), then "done"; or "blobs": the sweep
     after: str | None = None
 
     def dump(self) -> str:
@@ -124,10 +128,9 @@ class _Cursor:
 
 
 _PHASES = ("records", "vectors", "suspects", "done")
-
-
-class _LeaseLost(Exception):
-    pass
+_BLOBS = "blobs"  # after every tenant; its `after` is the blob store's cursor
+_CURSOR = "cursor"  # the job's fields
+_LAST_PASS = "last-pass"
 
 
 def reference_id_of(face_id: str) -> str | None:
@@ -142,18 +145,21 @@ class Reconciler:
     transactions: TransactionStore
     state: ReconcileState
     holder: str  # this process' name on the lease
-    policy: ReconcilePolicy = field(default_factory=ReconcilePolicy)
-    blobs: BlobStore | None = None
+    policy: ReconcilePolicy
+    blobs: BlobStore
     clock: Callable[[], float] = time.time
+
+    def __post_init__(self) -> None:
+        self._faces = FaceLifecycle(self.records, self.gallery, self.blobs, self.policy.lock)
 
     async def run_pass(self, min_interval_s: float = 0.0) -> ReconcileReport | None:
         """One pass over every tenant, or the rest of an interrupted one. None when another process holds
         the lease, or when the last pass completed less than min_interval_s ago (replicas that each try
         every min_interval_s then share one pass per interval)."""
-        if not await self.state.acquire_lease(self.holder, self.policy.lease_s):
-            return None
-        try:
-            raw = await self.state.load_cursor()
+        async with LeasedJob(self.state, self.holder, self.policy.lease_s).hold() as job:
+            if job is None:
+                return None
+            raw = await job.read(_CURSOR)
             cursor = _Cursor.load(raw) if raw is not None else None
             if cursor is None and min_interval_s > 0:
                 last = await self.state.last_completed()
@@ -161,19 +167,18 @@ class Reconciler:
                     return None
             report = ReconcileReport(resumed=cursor is not None)
             try:
-                await self._walk(cursor, report)
-            except _LeaseLost:
+                if cursor is None or cursor.phase != _BLOBS:
+                    await self._walk(job, cursor, report)
+                    cursor = None
+                await self._sweep_blobs(job, cursor.after if cursor is not None else None, report)
+                await job.checkpoint({_LAST_PASS: repr(self.clock()), _CURSOR: None})
+            except LeaseLost:
                 logger.warning("reconciliation lost its lease; the next holder resumes the pass")
                 return report
-            if self.blobs is not None and self.policy.orphan_grace_s is not None:
-                report.blobs_removed = await self._sweep_blobs(self.blobs, self.policy.orphan_grace_s)
-            await self.state.complete_pass(self.clock())
             report.completed = True
             return report
-        finally:
-            await self.state.release_lease(self.holder)
 
-    async def _walk(self, cursor: _Cursor | None, report: ReconcileReport) -> None:
+    async def _walk(self, job: JobPass, cursor: _Cursor | None, report: ReconcileReport) -> None:
         tenants = await self.records.tenant_ids()
         for tenant in tenants:
             if cursor is not None and tenant < cursor.tenant:
@@ -183,36 +188,40 @@ class Reconciler:
             for index, phase in enumerate(_PHASES[start:-1], start):
                 after = resume.after if resume is not None and resume.phase == phase else None
                 if phase == "records":
-                    await self._scan_records(tenant, after, report)
+                    await self._scan_records(job, tenant, after, report)
                 elif phase == "vectors":
-                    await self._scan_vectors(tenant, after, report)
+                    await self._scan_vectors(job, tenant, after, report)
                 else:
-                    await self._recheck(tenant, report)
-                await self._checkpoint(_Cursor(tenant, _PHASES[index + 1]))
+                    await self._recheck(job, tenant, report)
+                await self._checkpoint(job, _Cursor(tenant, _PHASES[index + 1]))
             cursor = None
 
-    async def _checkpoint(self, cursor: _Cursor) -> None:
-        await self.state.save_cursor(cursor.dump())
-        if not await self.state.renew_lease(self.holder, self.policy.lease_s):
-            raise _LeaseLost
+    @staticmethod
+    async def _checkpoint(job: JobPass, cursor: _Cursor) -> None:
+        # Renews first, then writes the cursor only while the lease is still this holder's.
+        await job.checkpoint({_CURSOR: cursor.dump()})
 
-    def _current(self, record: FaceRecord) -> bool:
-        return self.policy.model_version is None or record.model_version == self.policy.model_version
+    def _current(self, model_version: str) -> bool:
+        return self.policy.model_version is None or model_version == self.policy.model_version
 
-    async def _scan_records(self, tenant: str, after: str | None, report: ReconcileReport) -> None:
+    async def _scan_records(
+        self, job: JobPass, tenant: str, after: str | None, report: ReconcileReport
+    ) -> None:
         while True:
             page, after = await self.records.page(tenant, after, self.policy.batch)
             report.records += len(page)
-            current = [record.face_id for record in page if self._current(record)]
+            current = [record.face_id for record in page if self._current(record.model_version)]
             report.records_other_version += len(page) - len(current)
             with_vector = await self.gallery.present(tenant, current)
             missing = [face_id for face_id in current if face_id not in with_vector]
             await self.state.add_suspects(RECORD, tenant, missing, self.clock())
             if after is None:
                 return
-            await self._checkpoint(_Cursor(tenant, "records", after))
+            await self._checkpoint(job, _Cursor(tenant, "records", after))
 
-    async def _scan_vectors(self, tenant: str, after: str | None, report: ReconcileReport) -> None:
+    async def _scan_vectors(
+        self, job: JobPass, tenant: str, after: str | None, report: ReconcileReport
+    ) -> None:
         while True:
             # Vectors first, their records second: see the module docstring.
             face_ids, after = await self.gallery.page_ids(tenant, after, self.policy.batch, all_versions=True)
@@ -222,9 +231,9 @@ class Reconciler:
             await self.state.add_suspects(VECTOR, tenant, missing, self.clock())
             if after is None:
                 return
-            await self._checkpoint(_Cursor(tenant, "vectors", after))
+            await self._checkpoint(job, _Cursor(tenant, "vectors", after))
 
-    async def _recheck(self, tenant: str, report: ReconcileReport) -> None:
+    async def _recheck(self, job: JobPass, tenant: str, report: ReconcileReport) -> None:
         seen_before = self.clock() - self.policy.grace_s
         for kind, repair in ((VECTOR, self._repair_vector), (RECORD, self._repair_record)):
             kept = 0  # suspects left in place come first in the next batch: skip them
@@ -245,8 +254,7 @@ class Reconciler:
                 await self.state.drop_suspects(kind, tenant, settled)
                 if len(due) < self.policy.batch:
                     break
-                if not await self.state.renew_lease(self.holder, self.policy.lease_s):
-                    raise _LeaseLost
+                await job.renew()
             report.suspects += await self.state.count_suspects(kind, tenant)
 
     async def _transaction(self, face_id: str) -> tuple[bool, Transaction | None]:
@@ -254,10 +262,6 @@ class Reconciler:
         reference_id = reference_id_of(face_id)
         tx = await self.transactions.get(reference_id) if reference_id is not None else None
         return (tx is not None and not tx.state.is_final), tx
-
-    def _locked(self, tenant: str, subject: str) -> Any:
-        # The lock every writer and remover of the face takes (FaceRecord.lock_subject).
-        return self.records.reference_lock(tenant, subject, self.policy.lock_timeout_s)
 
     async def _repair_vector(self, tenant: str, face_id: str) -> bool | None:
         """True: the debris vector was deleted; False: consistent now; None: not decidable yet."""
@@ -267,14 +271,13 @@ class Reconciler:
         # Consistent again: no need for the lock (finding a face whole never deletes anything).
         if await self.records.get(tenant, face_id) is not None:
             return False
-        async with self._locked(
-            tenant, lock_subject(face_id, tx.client_reference if tx is not None else None)
-        ):
+        subject = lock_subject(face_id, tx.client_reference if tx is not None else None)
+        async with self._faces.locked(tenant, subject) as lock:
             if await self.records.get(tenant, face_id) is not None:
                 return False
             if not await self.gallery.present(tenant, [face_id], all_versions=True):
                 return False
-            await self.gallery.delete(tenant, [face_id])  # from every version's collection
+            await self._faces.remove_by_id(tenant, face_id, None, lock)  # from every version's collection
         logger.info("reconciliation: deleted the vector of %s/%s, which has no record", tenant, face_id)
         return True
 
@@ -285,36 +288,32 @@ class Reconciler:
             return None
         # Transaction final (read above), then the vector: see the module docstring.
         record = await self.records.get(tenant, face_id)
-        if record is None or not self._current(record) or await self.gallery.present(tenant, [face_id]):
+        if (
+            record is None
+            or not self._current(record.model_version)
+            or await self.gallery.present(tenant, [face_id])
+        ):
             return False
-        async with self._locked(tenant, record.lock_subject):
+        async with self._faces.locked(tenant, record.lock_subject) as lock:
             if await self.gallery.present(tenant, [face_id]):
                 return False
             record = await self.records.get(tenant, face_id)
             if record is None:
                 return False
-            await self.gallery.delete(tenant, [face_id])  # copies an older model version left behind
-            await self.records.delete(tenant, face_id)
-            if self.blobs is not None:
-                await self.blobs.delete(record.proof_key)
+            # With copies an older model version left behind, and its proof.
+            await self._faces.remove([record], lock)
         logger.info("reconciliation: removed the record of %s/%s, which has no vector", tenant, face_id)
         return True
 
-    async def _sweep_blobs(self, blobs: BlobStore, orphan_grace_s: float) -> int:
-        # Queue first, records second: a transaction acknowledged in between wrote its record before its
-        # acknowledgement, so its upload is found on one side or the other.
-        keep = await self.transactions.image_keys_in_flight()
-        keep |= await _proof_keys(self.records)
-        return await blobs.sweep(keep, orphan_grace_s)
-
-
-async def _proof_keys(records: FaceRecordStore) -> set[str]:
-    by_tenant: defaultdict[str, list[str]] = defaultdict(list)
-    for tenant_id, face_id in await records.all_face_ids():
-        by_tenant[tenant_id].append(face_id)
-    keys: set[str] = set()
-    for tenant_id, face_ids in by_tenant.items():
-        for start in range(0, len(face_ids), _RECORD_BATCH):
-            found = await records.get_many(tenant_id, face_ids[start : start + _RECORD_BATCH])
-            keys.update(record.proof_key for record in found.values())
-    return keys
+    async def _sweep_blobs(self, job: JobPass, after: str | None, report: ReconcileReport) -> None:
+        if self.policy.orphan_grace_s is None:
+            return
+        sweep = BlobSweep(
+            self.blobs, self.records, self.transactions, self.policy.orphan_grace_s, self.policy.batch
+        )
+        swept = SweepReport()
+        try:
+            await sweep.run(after, lambda cursor: self._checkpoint(job, _Cursor("", _BLOBS, cursor)), swept)
+        finally:
+            report.blobs_removed += swept.removed
+            report.blobs_kept_unnamed += swept.kept_unnamed

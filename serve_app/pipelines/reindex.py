@@ -6,13 +6,13 @@ vector joins the current version's collection under the same face_id. The face r
 current version. A face whose proof is gone, or in which the current model finds no face, cannot be
 re-indexed: it stays in its old version's collection, unsearched, and is reported.
 
-Order of writes: vector first, record second, both under the lock every remover of the face takes
-(FaceRecord.lock_subject: a deletion, an erasure or an override of its reference), after re-reading the
-record there. Without the lock, a face erased between the re-read and the record write came back as a
-listed record of the erased reference. A crash between the two writes leaves a current-version vector
-whose record still names the old version: searches already find it (the record exists), reconciliation
-keeps it (it has a record), and the next run rewrites both. The reverse order would leave a
-current-version record without a vector, which reconciliation deletes with its proof.
+Order of writes: vector first, record second (FaceLifecycle.reindex), both under the lock every remover of the
+face takes (FaceRecord.lock_subject: a deletion, an erasure or an override of its reference), after re-reading
+the record there. Without the lock, a face erased between the re-read and the record write came back as a
+listed record of the erased reference. A crash between the two writes leaves a current-version vector whose
+record still names the old version: searches already find it (the record exists), reconciliation keeps it (it
+has a record), and the next run rewrites both. The reverse order would leave a current-version record without
+a vector, which reconciliation deletes with its proof.
 
 Resumable: a record that already names the current version is skipped, so a rerun continues where an
 interrupted one stopped. Faces that could not be re-indexed are listed in a small JSON state file, so a
@@ -34,7 +34,8 @@ from serve_app.domain.errors import ServiceError
 from serve_app.domain.faces import FaceRecord, GalleryEntry
 from serve_app.imaging.decode import decode_image
 from serve_app.pipelines.analysis import FaceAnalysisBackend
-from serve_app.stores.interfaces import BlobStore, FaceRecordStore, GalleryStore
+from serve_app.pipelines.lifecycle import FaceLifecycle
+from serve_app.stores.interfaces import BlobStore, FaceRecordStore, GalleryStore, LockPolicy
 
 
 @dataclass
@@ -84,40 +85,40 @@ async def reindex_tenant(
     model_version: str,
     limits: ImageLimits,
     state: ReindexState,
+    lock: LockPolicy,
     on_face: Callable[[], None] = lambda: None,
-    lock_timeout_s: float = 30.0,
 ) -> ReindexReport:
-    """on_face is called after each face is dealt with (a progress bar's tick)."""
-    face_ids = sorted(face_id for _, face_id in await records.all_face_ids(tenant_id))
-    reindexed = current = 0
-    for face_id in face_ids:
-        record = await records.get(tenant_id, face_id)
-        if record is None:  # removed since the listing
-            pass
-        elif record.model_version == model_version:
-            current += 1
-        elif face_id not in state.unusable:
-            problem = await _reindex_one(
-                record, records, gallery, blobs, analysis, model_version, limits, lock_timeout_s
-            )
-            if problem is None:
-                reindexed += 1
-            else:
-                state.unusable[face_id] = problem
-                state.save()
-        on_face()
-    return ReindexReport(tenant_id, model_version, len(face_ids), reindexed, current, dict(state.unusable))
+    """on_face is called after each face is dealt with (a progress bar's tick). The tenant's records are
+    read a page at a time, in face id order."""
+    faces = FaceLifecycle(records, gallery, blobs, lock)
+    seen = reindexed = current = 0
+    after: str | None = None
+    while True:
+        page, after = await records.page(tenant_id, after, 500)
+        for record in page:
+            seen += 1
+            if record.model_version == model_version:
+                current += 1
+            elif record.face_id not in state.unusable:
+                problem = await _reindex_one(record, records, faces, blobs, analysis, model_version, limits)
+                if problem is None:
+                    reindexed += 1
+                else:
+                    state.unusable[record.face_id] = problem
+                    state.save()
+            on_face()
+        if after is None:
+            return ReindexReport(tenant_id, model_version, seen, reindexed, current, dict(state.unusable))
 
 
 async def _reindex_one(
     record: FaceRecord,
     records: FaceRecordStore,
-    gallery: GalleryStore,
+    faces: FaceLifecycle,
     blobs: BlobStore,
     analysis: FaceAnalysisBackend,
     model_version: str,
     limits: ImageLimits,
-    lock_timeout_s: float,
 ) -> str | None:
     """Re-embed one face; None when done, else why it cannot be."""
     stored = await blobs.get(record.proof_key)
@@ -133,11 +134,10 @@ async def _reindex_one(
     if face is None or face.embedding is None:
         return "no face found by the current model"
     entry = GalleryEntry(record.face_id, record.tenant_id, model_version, face.embedding, record.created_at)
-    async with records.reference_lock(record.tenant_id, record.lock_subject, lock_timeout_s):
+    async with faces.locked(record.tenant_id, record.lock_subject) as lock:
         current = await records.get(record.tenant_id, record.face_id)
         if current is None:
             # Removed (an override, a deletion, an erasure) while this face was analysed: never bring it back.
             return "removed while re-indexing"
-        await gallery.add([entry])
-        await records.put(dataclasses.replace(current, model_version=model_version))
+        await faces.reindex(dataclasses.replace(current, model_version=model_version), entry, lock)
     return None

@@ -1,10 +1,12 @@
 """Moving finished results out of Redis once their hot window has passed.
 
-Redis holds a finished transaction for result_hot_window_s; then one worker at a time (holding a lease)
-writes each one to the result archive (a blob store) and only after that write returned deletes the Redis
-copy, so a result is always in one place or both, never in neither: a reader that misses it in Redis finds
-it in the archive (TransactionService.get_for_tenant reads Redis first, then the archive). A pass that
-dies half-way leaves copies in both, which the next pass archives again (the same content) and drops.
+Redis holds a finished transaction for result_hot_window_s; then one worker at a time (holding the
+"result-archive" job's lease, pipelines/jobs.py, renewed before every batch, so a holder paused past its lease
+stops at its next batch once another took over) writes each one to the result archive (a blob store) and only
+after that write returned deletes the Redis copy, so a result is always in one place or both, never in
+neither: a reader that misses it in Redis finds it in the archive (TransactionService.get_for_tenant reads
+Redis first, then the archive). A pass that dies half-way leaves copies in both, which the next pass archives
+again (the same content) and drops.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from serve_app.stores.interfaces import FinishedTransactions, Lease, ResultArchive
+from serve_app.pipelines.jobs import LeasedJob, LeaseLost
+from serve_app.stores.interfaces import FinishedTransactions, JobLease, ResultArchive
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +40,14 @@ async def archive_finished(
     *,
     batch: int = 500,
     max_batches: int = 200,
+    before_batch: Callable[[], Awaitable[None]] | None = None,
 ) -> ArchiveReport:
-    """Archive every transaction final for longer than hot_window_s (up to batch * max_batches a pass)."""
+    """Archive every transaction final for longer than hot_window_s (up to batch * max_batches a pass).
+    before_batch (the lease's renewal) runs before every batch; what it raises stops the pass."""
     archived = dropped = expired = 0
     for _ in range(max_batches):
+        if before_batch is not None:
+            await before_batch()
         entries = await transactions.finished_before(hot_window_s, batch)
         if not entries:
             break
@@ -62,10 +70,12 @@ class ResultArchiver:
         self,
         transactions: FinishedTransactions,
         archive: ResultArchive,
-        lease: Lease,
+        lease: JobLease,
         hot_window_s: float,
         every_s: float,
         sweep_every_s: float = 3600.0,
+        clock: Callable[[], float] = time.time,
+        batch: int = 500,
     ) -> None:
         self._transactions = transactions
         self._archive = archive
@@ -73,17 +83,32 @@ class ResultArchiver:
         self._hot_window_s = hot_window_s
         self._every_s = every_s
         self._sweep_every_s = sweep_every_s
-        self._last_sweep = 0.0
+        self._clock = clock
+        self._batch = batch
 
     async def run_once(self, holder: str) -> ArchiveReport | None:
-        """None when another worker holds the lease. The lease outlives a few missed passes, so a holder
-        keeps it from pass to pass and a dead one's lapses within 3 periods."""
-        if not await self._lease.acquire(holder, 3 * self._every_s):
-            return None
-        report = await archive_finished(self._transactions, self._archive, self._hot_window_s)
-        now = time.monotonic()
-        if now - self._last_sweep >= self._sweep_every_s or self._last_sweep == 0.0:
-            self._last_sweep = now
-            swept = await self._archive.sweep(self._hot_window_s)
-            report = ArchiveReport(report.archived, report.dropped, report.expired, swept)
-        return report
+        """None when another worker holds the lease, or when it was lost during the pass (what the pass
+        did is kept: every batch is safe to repeat). The lease outlives a few missed renewals, so a dead
+        holder's lapses within 3 periods. The retention sweep runs at most every sweep_every_s across the
+        cluster (when it last ran is a field of the job)."""
+        async with LeasedJob(self._lease, holder, 3 * self._every_s).hold() as job:
+            if job is None:
+                return None
+            try:
+                report = await archive_finished(
+                    self._transactions,
+                    self._archive,
+                    self._hot_window_s,
+                    batch=self._batch,
+                    before_batch=job.renew,
+                )
+                last = await job.read("last-sweep")
+                now = self._clock()
+                if last is None or now - float(last) >= self._sweep_every_s:
+                    await job.checkpoint({"last-sweep": repr(now)})
+                    swept = await self._archive.sweep(self._hot_window_s)
+                    report = ArchiveReport(report.archived, report.dropped, report.expired, swept)
+            except LeaseLost:
+                logger.warning("result archive: lost its lease during a pass; another holder goes on")
+                return None
+            return report

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from serve_app.domain.errors import BackendRejected, BackendUnavailable
+from serve_app.domain.errors import BackendRejected, BackendUnavailable, LockUnavailable
 from serve_app.pipelines.processing import TransactionProcessor
 from serve_app.stores.interfaces import QueueEntry, WorkQueue
 
@@ -178,6 +178,15 @@ class QueueWorker:
             # The backend refuses this transaction's request every time: a failed attempt, not an outage.
             logger.exception(
                 "worker %s: a backend rejected transaction %s; will retry", self.consumer, entry.reference_id
+            )
+            return
+        except LockUnavailable as error:
+            # Its reference's lock stayed taken (or was lost to another holder): a failed attempt, counted
+            # like any other, so a reference that stays locked ends the transaction `failed` after
+            # max_deliveries (give_up needs the lock only when a face of it is stored) instead of a requeue
+            # with a fresh count, for ever. Not acknowledged: reclaimed after stale_after_s.
+            logger.warning(
+                "worker %s: transaction %s: %s; will retry", self.consumer, entry.reference_id, error.message
             )
             return
         except BackendUnavailable as error:

@@ -1,8 +1,9 @@
 """Blobs (uploaded images, enrolled proofs) as files in a local directory.
 
-Layout: <dir>/<h[0:2]>/<h[2:4]>/<h> with h = sha256(key), plus <h>.type holding the content type. Keys are
-validated before use and only their hash names a file, so no key can address a path outside the directory;
-the two-level fan-out keeps directories small. Writes go to a temporary file that is fsynced and renamed
+Layout: <dir>/<h[0:2]>/<h[2:4]>/<h> with h = sha256(key), plus <h>.type holding the content type and, on
+its second line, the key (so a scan of the files can name each blob's owner: scan_old). Keys are validated
+before use and only their hash names a file, so no key can address a path outside the directory; the
+two-level fan-out keeps directories small. Writes go to a temporary file that is fsynced and renamed
 over the target, so a reader sees the old blob or the new one, never a partial file.
 """
 
@@ -17,6 +18,8 @@ import tempfile
 import time
 from collections.abc import Collection
 from pathlib import Path
+
+from serve_app.stores.interfaces import BlobPage
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9_\-/]+$")
 _MAX_KEY_LENGTH = 512
@@ -84,13 +87,13 @@ class LocalBlobStore:
     async def put(self, key: str, data: bytes, content_type: str) -> None:
         path = self._path(key)
         validate_content_type(content_type)
-        await asyncio.to_thread(self._put_sync, path, bytes(data), content_type)
+        await asyncio.to_thread(self._put_sync, path, bytes(data), content_type, key)
 
     @staticmethod
-    def _put_sync(path: Path, data: bytes, content_type: str) -> None:
+    def _put_sync(path: Path, data: bytes, content_type: str, key: str) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         # Type first: a reader that finds the data finds its type too.
-        _atomic_write(path.with_suffix(".type"), content_type.encode())
+        _atomic_write(path.with_suffix(".type"), f"{content_type}\n{key}".encode())
         _atomic_write(path, data)
         _fsync_directory(path.parent)
 
@@ -104,10 +107,10 @@ class LocalBlobStore:
         except FileNotFoundError:
             return None
         try:
-            content_type = path.with_suffix(".type").read_text().strip() or DEFAULT_CONTENT_TYPE
+            content_type = path.with_suffix(".type").read_text().partition("\n")[0].strip()
         except FileNotFoundError:
-            content_type = DEFAULT_CONTENT_TYPE
-        return data, content_type
+            content_type = ""
+        return data, content_type or DEFAULT_CONTENT_TYPE
 
     async def delete(self, key: str) -> None:
         await asyncio.to_thread(self._delete_sync, self._path(key))
@@ -145,3 +148,48 @@ class LocalBlobStore:
                 if not path.name.endswith(".type") and not path.name.startswith(".tmp-"):
                     removed += 1
         return removed
+
+    async def scan_old(self, after: str | None, older_than_s: float, limit: int) -> BlobPage:
+        """Walks the fan-out directories in name order, whole directories at a time, until about `limit`
+        old blobs were found; the cursor is the last directory walked ("ab/cd"). Memory: one page, whatever
+        the number of blobs. Temporary files of interrupted writes found old are deleted on the way."""
+        return await asyncio.to_thread(self._scan_sync, after, time.time() - older_than_s, limit)
+
+    def _scan_sync(self, after: str | None, cutoff: float, limit: int) -> BlobPage:
+        keys: list[str] = []
+        unnamed = 0
+        last: str | None = None
+        for top in _subdirectories(self._root, after.split("/")[0] if after else None, inclusive=True):
+            start = after.split("/")[1] if after and after.startswith(top.name + "/") else None
+            for directory in _subdirectories(top, start, inclusive=False):
+                last = f"{top.name}/{directory.name}"
+                for entry in os.scandir(directory):
+                    name = entry.name
+                    if name.endswith(".type"):
+                        continue
+                    try:
+                        if entry.stat().st_mtime >= cutoff:
+                            continue
+                        if name.startswith(".tmp-"):
+                            os.unlink(entry.path)
+                            continue
+                        key = (directory / f"{name}.type").read_text().partition("\n")[2].strip()
+                    except FileNotFoundError:
+                        continue  # deleted meanwhile
+                    if key:
+                        keys.append(key)
+                    else:
+                        unnamed += 1
+                if len(keys) + unnamed >= limit:
+                    return BlobPage(keys, unnamed, last)
+        return BlobPage(keys, unnamed, None)
+
+
+def _subdirectories(parent: Path, start: str | None, *, inclusive: bool) -> list[Path]:
+    """The fan-out directories of `parent` (two hex digits each: at most 256) in name order, from `start`
+    (that one included or not)."""
+    try:
+        names = sorted(entry.name for entry in os.scandir(parent) if entry.is_dir() and len(entry.name) == 2)
+    except FileNotFoundError:
+        return []
+    return [parent / name for name in names if start is None or name > start or (inclusive and name == start)]

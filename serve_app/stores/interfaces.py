@@ -113,11 +113,33 @@ class WorkQueue(Protocol):
         """Entries not yet acknowledged (pending + undelivered)."""
 
 
+@dataclass(frozen=True)
+class LockPolicy:
+    """How a face's lock (FaceRecordStore.reference_lock) is taken and kept. Defaults: Settings.redis."""
+
+    wait_s: float  # waiting for the lock gives up after this (LockUnavailable)
+    ttl_s: float  # a holder that stops renewing (it died, or is paused) loses the lock after this
+    max_hold_s: float  # renewal stops after this: a holder stuck while alive cannot keep it for ever
+
+
+class HeldLock(Protocol):
+    """A face's lock while its holder has it. The holder renews it in the background; writes that name
+    it (FaceRecordStore.put/delete/mark_erased with `lock`) are refused atomically once another holder
+    has it, however long this holder was paused."""
+
+    def check(self) -> None:
+        """Raise LockUnavailable when this holder can no longer count on the lock: a renewal found it
+        taken, or the time since the last successful renewal reached its ttl (the holder was paused).
+        Called before writes to stores that cannot check the lock themselves (Milvus)."""
+
+
 class FaceRecordStore(Protocol):
-    async def put(self, record: FaceRecord) -> None:
+    async def put(self, record: FaceRecord, lock: HeldLock | None = None) -> None:
         """Store the record, or replace the one with its (tenant, face_id). A face's client_reference never
         changes (a replacement, as reindexing writes, keeps it): the Redis store's reference indexes are not
-        rewritten, and counts() would go on counting the old reference."""
+        rewritten, and counts() would go on counting the old reference. With `lock` (one this store's
+        reference_lock gave), written only while that lock is still this holder's, checked atomically
+        with the write; LockUnavailable otherwise, with nothing written."""
 
     async def get(self, tenant_id: str, face_id: str) -> FaceRecord | None: ...
 
@@ -127,7 +149,11 @@ class FaceRecordStore(Protocol):
         """The tenant's record of this client_reference with the newest created_at (of equal ones, the
         greatest face_id); None when the reference has no face."""
 
-    async def delete(self, tenant_id: str, face_id: str) -> None: ...
+    async def delete(self, tenant_id: str, face_id: str, lock: HeldLock | None = None) -> None:
+        """Remove the record and its index entries (none: a no-op); `lock` as for put."""
+
+    async def existing(self, faces: Sequence[tuple[str, str]]) -> set[tuple[str, str]]:
+        """Which of these (tenant_id, face_id) have a record (one round trip, whatever their tenants)."""
 
     async def count(self, tenant_id: str) -> int:
         """How many faces the tenant has enrolled (one set cardinality: cheap)."""
@@ -138,10 +164,14 @@ class FaceRecordStore(Protocol):
     async def tenant_ids(self) -> list[str]:
         """Every tenant that has ever had a face record, sorted."""
 
-    def reference_lock(self, tenant_id: str, client_reference: str, timeout_s: float) -> Any:
+    def reference_lock(
+        self, tenant_id: str, client_reference: str, policy: LockPolicy
+    ) -> AbstractAsyncContextManager[HeldLock]:
         """Async context manager: a distributed lock serialising enrolments, overrides and erasures of one
-        client_reference. Waiting for it longer than timeout_s raises BackendUnavailable; a holder keeps it
-        at most timeout_s, then it expires (a holder that died cannot block the reference for longer)."""
+        client_reference (or FaceRecord.lock_subject). Waiting longer than policy.wait_s raises
+        LockUnavailable. The holder renews it every ttl_s / 3 while it works, for at most max_hold_s; one
+        that stops (it died or was paused) loses it ttl_s after its last renewal, and its fenced writes
+        are refused from the moment another holder has it. Only pipelines/lifecycle.py takes it."""
 
     async def page(
         self, tenant_id: str, after: str | None, limit: int
@@ -155,9 +185,11 @@ class FaceRecordStore(Protocol):
 
     async def counts(self, tenant_id: str) -> GalleryCounts: ...
 
-    async def mark_erased(self, tenant_id: str, client_reference: str, erased_at: float) -> None:
+    async def mark_erased(
+        self, tenant_id: str, client_reference: str, erased_at: float, lock: HeldLock | None = None
+    ) -> None:
         """Remember (under a hash of the reference) when it was last erased: a transaction created before
-        then must not enrol it again, and a result read later must not name it."""
+        then must not enrol it again, and a result read later must not name it. `lock` as for put."""
 
     async def erased_at(self, tenant_id: str, client_reference: str) -> float | None:
         """When the reference was last erased; None if never (or longer ago than the store remembers)."""
@@ -208,24 +240,32 @@ class Leases(Protocol):
         after ttl_s."""
 
 
-class ReconcileState(Protocol):
-    """Reconciliation's own state, shared by every process that may run it (pipelines/reconcile.py): the
-    lease that lets one pass run at a time, the resumable cursor of the pass, the faces seen inconsistent
-    and when first, and when the last pass completed."""
+class JobLease(Protocol):
+    """The lease of a periodic job (pipelines/jobs.py), one holder at a time across the cluster, with the
+    job's small state (a cursor, when a pass last completed) written only by the lease's holder."""
 
-    async def acquire_lease(self, holder: str, ttl_s: float) -> bool:
-        """Take the lease (or keep it, when `holder` has it already) for ttl_s; False when another holds
-        it. A holder that stops renewing loses it after ttl_s."""
+    async def acquire(self, holder: str, ttl_s: float) -> bool:
+        """Take the lease if free, or renew it if `holder` has it; True when `holder` holds it now. A
+        holder that stops renewing loses it after ttl_s."""
 
-    async def renew_lease(self, holder: str, ttl_s: float) -> bool:
+    async def renew(self, holder: str, ttl_s: float) -> bool:
         """Extend the lease by ttl_s from now; False when `holder` no longer has it."""
 
-    async def release_lease(self, holder: str) -> None: ...
+    async def release(self, holder: str) -> None:
+        """Give it back if `holder` still has it (a lapsed holder never cuts another's lease short)."""
 
-    async def load_cursor(self) -> str | None:
-        """Where the unfinished pass stopped (opaque to the store), None when no pass is under way."""
+    async def read(self, field: str) -> str | None:
+        """A state field of the job (None: never written, or deleted)."""
 
-    async def save_cursor(self, cursor: str | None) -> None: ...
+    async def write(self, holder: str, values: dict[str, str | None]) -> bool:
+        """Set (a str) or delete (None) these state fields, only while `holder` has the lease, checked
+        atomically with the writes; False (nothing written) when it has not."""
+
+
+class ReconcileState(JobLease, Protocol):
+    """Reconciliation's own state, shared by every process that may run it (pipelines/reconcile.py): the
+    job's lease and fields (its resumable cursor, when the last pass completed) and the faces seen
+    inconsistent and when first."""
 
     async def add_suspects(self, kind: str, tenant_id: str, face_ids: Sequence[str], seen_at: float) -> None:
         """Note faces seen inconsistent; a face already noted keeps the time it was first seen."""
@@ -239,10 +279,8 @@ class ReconcileState(Protocol):
 
     async def count_suspects(self, kind: str, tenant_id: str) -> int: ...
 
-    async def complete_pass(self, at: float) -> None:
-        """Record that a pass completed at `at` and clear its cursor."""
-
-    async def last_completed(self) -> float | None: ...
+    async def last_completed(self) -> float | None:
+        """When the last pass completed (its `last-pass` field)."""
 
 
 class BlobStore(Protocol):
@@ -261,6 +299,17 @@ class BlobStore(Protocol):
         """Delete every blob not named in `keep` and last written more than older_than_s ago; returns
         how many were deleted. A name in `keep` that is not a valid key is ignored."""
 
+    async def scan_old(self, after: str | None, older_than_s: float, limit: int) -> BlobPage:
+        """A page of the blobs last written more than older_than_s ago, in the store's own order, starting
+        after the cursor `after` (None: from the start): about `limit` keys, whatever the store's size."""
+
+
+@dataclass(frozen=True)
+class BlobPage:
+    keys: list[str]
+    unnamed: int  # old blobs whose key the store does not know (written before keys were recorded)
+    after: str | None  # the cursor to continue from; None at the end
+
 
 class ResultArchive(Protocol):
     """Durable copies of finished transactions, read where the hot store no longer has them."""
@@ -273,12 +322,6 @@ class ResultArchive(Protocol):
     async def sweep(self, archived_after_s: float) -> int:
         """Delete the copies past their retention (each was written archived_after_s or later after its
         transaction became final); returns how many went."""
-
-
-class Lease(Protocol):
-    async def acquire(self, holder: str, ttl_s: float) -> bool:
-        """Take the lease if nobody holds it, or renew it if `holder` does; it lapses ttl_s after the last
-        acquire, so a holder that died loses it. True when `holder` holds it now."""
 
 
 class AuditLog(Protocol):

@@ -2,8 +2,8 @@
 
 Keys (prefix default "fs:"):
   {p}sys:lease:reconcile                  the holder's id, expiring: one pass at a time (redis_lease.py)
-  {p}reconcile:cursor                     where the pass under way stopped (resumed by the next holder)
-  {p}reconcile:last-pass                  when the last pass completed (seconds since the epoch)
+  {p}sys:job:reconcile:cursor             where the pass under way stopped (resumed by the next holder)
+  {p}sys:job:reconcile:last-pass          when the last pass completed (seconds since the epoch)
   {p}reconcile:suspects:{kind}:{tenant}   sorted set face_id -> when it was first seen inconsistent
 """
 
@@ -17,37 +17,15 @@ from serve_app.stores.redis_lease import RedisLease
 from serve_app.stores.redis_support import redis_errors, text
 
 
-class RedisReconcileState:
+class RedisReconcileState(RedisLease):
+    """interfaces.ReconcileState: the reconcile job's lease and fields, and the suspects."""
+
     def __init__(self, redis: Redis, prefix: str = "fs:") -> None:
-        self._redis = redis
-        self._lease = RedisLease(redis, "reconcile", prefix)
-        self._cursor = f"{prefix}reconcile:cursor"
-        self._last = f"{prefix}reconcile:last-pass"
+        super().__init__(redis, "reconcile", prefix)
         self._suspects = f"{prefix}reconcile:suspects"
 
     def _suspect_key(self, kind: str, tenant_id: str) -> str:
         return f"{self._suspects}:{kind}:{tenant_id}"
-
-    async def acquire_lease(self, holder: str, ttl_s: float) -> bool:
-        return await self._lease.acquire(holder, ttl_s)
-
-    async def renew_lease(self, holder: str, ttl_s: float) -> bool:
-        return await self._lease.renew(holder, ttl_s)
-
-    async def release_lease(self, holder: str) -> None:
-        await self._lease.release(holder)
-
-    async def load_cursor(self) -> str | None:
-        async with redis_errors():
-            raw = await self._redis.get(self._cursor)
-        return text(raw) if raw is not None else None
-
-    async def save_cursor(self, cursor: str | None) -> None:
-        async with redis_errors():
-            if cursor is None:
-                await self._redis.delete(self._cursor)
-            else:
-                await self._redis.set(self._cursor, cursor)
 
     async def add_suspects(self, kind: str, tenant_id: str, face_ids: Sequence[str], seen_at: float) -> None:
         if face_ids:
@@ -74,13 +52,6 @@ class RedisReconcileState:
         async with redis_errors():
             return int(await self._redis.zcard(self._suspect_key(kind, tenant_id)))
 
-    async def complete_pass(self, at: float) -> None:
-        async with redis_errors(), self._redis.pipeline(transaction=True) as pipe:
-            pipe.set(self._last, repr(at))
-            pipe.delete(self._cursor)
-            await pipe.execute()
-
     async def last_completed(self) -> float | None:
-        async with redis_errors():
-            raw = await self._redis.get(self._last)
-        return float(text(raw)) if raw is not None else None
+        raw = await self.read("last-pass")
+        return float(raw) if raw is not None else None

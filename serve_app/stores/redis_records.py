@@ -5,7 +5,8 @@ Keys (prefix default "fs:"):
   {p}faces:{tenant}            set of the tenant's face ids (all_face_ids, reconciliation)
   {p}tenants                   set of tenants that have had faces
   {p}ref:{tenant}:{sha256(client_reference)}   sorted set face_id -> created_at (latest_for_reference)
-  {p}lock:ref:{tenant}:{sha256(client_reference)}   the lock of enrolments, overrides and erasures
+  {p}lock:ref:{tenant}:{sha256(client_reference)}   the lock of enrolments, overrides and erasures: its
+                               holder's random token, expiring unless renewed (see reference_lock)
   {p}faces-by-id:{tenant}      sorted set, all scores 0: face ids in lexical order (gallery listing pages)
   {p}faces-by-time:{tenant}    sorted set face_id -> created_at (oldest / newest enrolment)
   {p}refs:{tenant}             set of sha256(client_reference) that have faces (distinct references)
@@ -21,20 +22,22 @@ token, so neither contains a ":" that could reach into another tenant's keys.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
 import logging
+import secrets
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from redis import exceptions as redis_exceptions
 from redis.asyncio import Redis
 
-from serve_app.domain.errors import BackendUnavailable
+from serve_app.domain.errors import BackendUnavailable, LockUnavailable
 from serve_app.domain.faces import FaceRecord
 from serve_app.domain.gallery import GalleryCounts
+from serve_app.stores.interfaces import HeldLock, LockPolicy
 from serve_app.stores.redis_support import redis_errors, text
 
 logger = logging.getLogger(__name__)
@@ -44,22 +47,110 @@ def _reference_hash(client_reference: str) -> str:
     return hashlib.sha256(client_reference.encode()).hexdigest()
 
 
+# The fence every write under a face's lock passes first: the lock key (KEYS[1]) must still hold this
+# holder's token (ARGV[1]; "" for a write that takes no lock). A holder paused past its lock's expiry finds
+# another token there, or none, and writes nothing: -1.
+_FENCE = """
+if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+"""
+
+# Writes a record and its index entries. KEYS: lock (or the face key), face, faces, tenants, by-id, by-time,
+# ref, refs (the last two: the face key again for a record without a reference). ARGV: token, record JSON,
+# face_id, tenant, created_at, reference hash ("" for none).
+_PUT_SCRIPT = (
+    _FENCE
+    + """
+redis.call('SET', KEYS[2], ARGV[2])
+redis.call('SADD', KEYS[3], ARGV[3])
+redis.call('SADD', KEYS[4], ARGV[4])
+redis.call('ZADD', KEYS[5], 0, ARGV[3])
+redis.call('ZADD', KEYS[6], ARGV[5], ARGV[3])
+if ARGV[6] ~= '' then
+  redis.call('ZADD', KEYS[7], ARGV[5], ARGV[3])
+  redis.call('SADD', KEYS[8], ARGV[6])
+end
+return 1
+"""
+)
+
 # Removes a record and its index entries atomically; the reference leaves the distinct-reference set only
-# when its last face goes, which a MULTI cannot decide. KEYS: face, faces, by-id, by-time, refs, ref (or
-# the face key again when the record had no reference). ARGV: face_id, reference hash ("" for none).
-_DELETE_SCRIPT = """
-redis.call('DEL', KEYS[1])
-redis.call('SREM', KEYS[2], ARGV[1])
-redis.call('ZREM', KEYS[3], ARGV[1])
-redis.call('ZREM', KEYS[4], ARGV[1])
-if ARGV[2] ~= '' then
-  redis.call('ZREM', KEYS[6], ARGV[1])
-  if redis.call('ZCARD', KEYS[6]) == 0 then
-    redis.call('SREM', KEYS[5], ARGV[2])
+# when its last face goes, which a MULTI cannot decide. KEYS: lock (or the face key), face, faces, by-id,
+# by-time, refs, ref (or the face key again when the record had no reference). ARGV: token, face_id,
+# reference hash ("" for none).
+_DELETE_SCRIPT = (
+    _FENCE
+    + """
+redis.call('DEL', KEYS[2])
+redis.call('SREM', KEYS[3], ARGV[2])
+redis.call('ZREM', KEYS[4], ARGV[2])
+redis.call('ZREM', KEYS[5], ARGV[2])
+if ARGV[3] ~= '' then
+  redis.call('ZREM', KEYS[7], ARGV[2])
+  if redis.call('ZCARD', KEYS[7]) == 0 then
+    redis.call('SREM', KEYS[6], ARGV[3])
   end
 end
 return 1
 """
+)
+
+# KEYS: lock (or the tombstone), tombstone. ARGV: token, erased_at, ttl in s ("" for none).
+_ERASED_SCRIPT = (
+    _FENCE
+    + """
+if ARGV[3] ~= '' then
+  redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[3])
+else
+  redis.call('SET', KEYS[2], ARGV[2])
+end
+return 1
+"""
+)
+
+_RENEW_LOCK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+_RELEASE_LOCK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+_LOCK_POLL_S = 0.05
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
+
+
+class _RedisHeldLock:
+    """HeldLock of the Redis store: the lock key, this holder's token, and until when (event loop time) the
+    lock is known to be this holder's: set from the moment before the command that took or renewed it."""
+
+    def __init__(self, key: str, token: str, valid_until: float) -> None:
+        self.key = key
+        self.token = token
+        self.valid_until = valid_until
+        self.lost_reason: str | None = None
+
+    def check(self) -> None:
+        if self.lost_reason is None and asyncio.get_running_loop().time() >= self.valid_until:
+            self.lost_reason = "its holder was paused past its expiry"
+        if self.lost_reason is not None:
+            raise LockUnavailable(f"The lock of a client_reference was lost: {self.lost_reason}")
+
+
+def _fence(lock: HeldLock | None) -> tuple[str, str]:
+    """(lock key, token) for the scripts; ("", "") for a write without a lock."""
+    if lock is None:
+        return "", ""
+    if not isinstance(lock, _RedisHeldLock):
+        raise TypeError("a HeldLock of another store")  # a programming error, never a client's
+    return lock.key, lock.token
+
+
+def _fenced(result: Any) -> None:
+    if int(result) == -1:
+        raise LockUnavailable("The lock of a client_reference was lost before a write: another holder has it")
 
 
 class RedisFaceRecordStore:
@@ -88,13 +179,30 @@ class RedisFaceRecordStore:
     def _refs_key(self, tenant_id: str) -> str:
         return f"{self._prefix}refs:{tenant_id}"
 
-    async def put(self, record: FaceRecord) -> None:
-        async with redis_errors(), self._redis.pipeline(transaction=True) as pipe:
-            pipe.set(self._face_key(record.tenant_id, record.face_id), json.dumps(asdict(record)))
-            pipe.sadd(self._faces_key(record.tenant_id), record.face_id)
-            pipe.sadd(f"{self._prefix}tenants", record.tenant_id)
-            self._index(pipe, record)
-            await pipe.execute()
+    async def put(self, record: FaceRecord, lock: HeldLock | None = None) -> None:
+        lock_key, token = _fence(lock)
+        face_key = self._face_key(record.tenant_id, record.face_id)
+        reference = record.client_reference
+        keys = [
+            lock_key or face_key,
+            face_key,
+            self._faces_key(record.tenant_id),
+            f"{self._prefix}tenants",
+            self._by_id_key(record.tenant_id),
+            self._by_time_key(record.tenant_id),
+            self._ref_key(record.tenant_id, reference) if reference is not None else face_key,
+            self._refs_key(record.tenant_id) if reference is not None else face_key,
+        ]
+        args = [
+            token,
+            json.dumps(asdict(record)),
+            record.face_id,
+            record.tenant_id,
+            repr(float(record.created_at)),
+            _reference_hash(reference) if reference is not None else "",
+        ]
+        async with redis_errors():
+            _fenced(await self._redis.eval(_PUT_SCRIPT, len(keys), *keys, *args))
 
     def _index(self, pipe: Any, record: FaceRecord) -> None:
         pipe.zadd(self._by_id_key(record.tenant_id), {record.face_id: 0})
@@ -138,11 +246,13 @@ class RedisFaceRecordStore:
                 return record
         return None
 
-    async def delete(self, tenant_id: str, face_id: str) -> None:
+    async def delete(self, tenant_id: str, face_id: str, lock: HeldLock | None = None) -> None:
         record = await self.get(tenant_id, face_id)
         reference = record.client_reference if record is not None else None
+        lock_key, token = _fence(lock)
         face_key = self._face_key(tenant_id, face_id)
         keys = [
+            lock_key or face_key,
             face_key,
             self._faces_key(tenant_id),
             self._by_id_key(tenant_id),
@@ -150,9 +260,18 @@ class RedisFaceRecordStore:
             self._refs_key(tenant_id),
             self._ref_key(tenant_id, reference) if reference is not None else face_key,
         ]
-        args = [face_id, _reference_hash(reference) if reference is not None else ""]
+        args = [token, face_id, _reference_hash(reference) if reference is not None else ""]
         async with redis_errors():
-            await self._redis.eval(_DELETE_SCRIPT, len(keys), *keys, *args)
+            _fenced(await self._redis.eval(_DELETE_SCRIPT, len(keys), *keys, *args))
+
+    async def existing(self, faces: Sequence[tuple[str, str]]) -> set[tuple[str, str]]:
+        if not faces:
+            return set()
+        async with redis_errors(), self._redis.pipeline(transaction=False) as pipe:
+            for tenant_id, face_id in faces:
+                pipe.exists(self._face_key(tenant_id, face_id))
+            found = await pipe.execute()
+        return {face for face, exists in zip(faces, found, strict=True) if exists}
 
     async def _ensure_indexed(self, tenant_id: str) -> None:
         """Index faces enrolled before the gallery indexes existed (once per tenant). Adding is
@@ -230,10 +349,17 @@ class RedisFaceRecordStore:
     def _erased_key(self, tenant_id: str, client_reference: str) -> str:
         return f"{self._prefix}erased:{tenant_id}:{_reference_hash(client_reference)}"
 
-    async def mark_erased(self, tenant_id: str, client_reference: str, erased_at: float) -> None:
+    async def mark_erased(
+        self, tenant_id: str, client_reference: str, erased_at: float, lock: HeldLock | None = None
+    ) -> None:
+        lock_key, token = _fence(lock)
+        tombstone = self._erased_key(tenant_id, client_reference)
+        ttl = str(self._erasure_ttl_s) if self._erasure_ttl_s else ""
         async with redis_errors():
-            await self._redis.set(
-                self._erased_key(tenant_id, client_reference), repr(float(erased_at)), ex=self._erasure_ttl_s
+            _fenced(
+                await self._redis.eval(
+                    _ERASED_SCRIPT, 2, lock_key or tombstone, tombstone, token, repr(float(erased_at)), ttl
+                )
             )
 
     async def erased_at(self, tenant_id: str, client_reference: str) -> float | None:
@@ -245,36 +371,67 @@ class RedisFaceRecordStore:
         async with redis_errors():
             return sorted(text(t) for t in await self._redis.smembers(f"{self._prefix}tenants"))
 
-    def reference_lock(self, tenant_id: str, client_reference: str, timeout_s: float) -> Any:
-        """Async context manager holding a Redis lock for (tenant, client_reference).
-
-        The lock expires after timeout_s (so a dead holder cannot block the reference forever) and waiting
-        for it gives up after timeout_s with BackendUnavailable (503: the caller may retry).
-        """
-        return self._reference_lock(tenant_id, client_reference, timeout_s)
+    def reference_lock(
+        self, tenant_id: str, client_reference: str, policy: LockPolicy
+    ) -> contextlib.AbstractAsyncContextManager[HeldLock]:
+        return self._reference_lock(tenant_id, client_reference, policy)
 
     @contextlib.asynccontextmanager
     async def _reference_lock(
-        self, tenant_id: str, client_reference: str, timeout_s: float
-    ) -> AsyncIterator[None]:
-        name = f"{self._prefix}lock:ref:{tenant_id}:{_reference_hash(client_reference)}"
-        # thread_local=False: the token lives on the Lock object, which stays within this coroutine.
-        lock = self._redis.lock(name, timeout=timeout_s, blocking_timeout=timeout_s, thread_local=False)
-        async with redis_errors():
-            acquired = await lock.acquire()
-        if not acquired:
-            raise BackendUnavailable(
-                f"Timed out after {timeout_s:g} s waiting for the lock on a client_reference"
-            )
+        self, tenant_id: str, client_reference: str, policy: LockPolicy
+    ) -> AsyncIterator[HeldLock]:
+        key = f"{self._prefix}lock:ref:{tenant_id}:{_reference_hash(client_reference)}"
+        token = secrets.token_hex(16)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + policy.wait_s
+        while True:
+            asked_at = loop.time()
+            async with redis_errors():
+                if await self._redis.set(key, token, nx=True, px=_ms(policy.ttl_s)):
+                    break
+            if loop.time() >= deadline:
+                raise LockUnavailable(
+                    f"Timed out after {policy.wait_s:g} s waiting for the lock on a client_reference"
+                )
+            await asyncio.sleep(min(_LOCK_POLL_S, max(0.0, deadline - loop.time())))
+        held = _RedisHeldLock(key, token, asked_at + policy.ttl_s)
+        renewal = asyncio.create_task(self._renew(held, policy, asked_at + policy.max_hold_s))
         try:
-            yield
+            yield held
         finally:
+            renewal.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewal
             try:
-                await lock.release()
-            except redis_exceptions.LockError:
-                # It expired while held: another holder may have run meanwhile. The work is done, so
-                # report it rather than fail a completed operation.
-                logger.warning("reference lock %s expired before release (held > %g s)", name, timeout_s)
-            except (redis_exceptions.RedisError, OSError) as error:
-                # Release is best effort; the lock expires on its own after timeout_s.
-                logger.warning("could not release reference lock %s: %s", name, error)
+                async with redis_errors():
+                    await self._redis.eval(_RELEASE_LOCK, 1, key, token)
+            except BackendUnavailable as error:
+                # Release is best effort; the lock expires on its own ttl_s after its last renewal.
+                logger.warning("could not release reference lock %s: %s", key, error.message)
+
+    async def _renew(self, held: _RedisHeldLock, policy: LockPolicy, renew_until: float) -> None:
+        """Keep the lock while its holder works: renewed every ttl_s / 3 until renew_until. A renewal that
+        finds the lock gone marks it lost (HeldLock.check raises from then on, and the fence refuses the
+        record writes anyway); one that cannot reach Redis is retried, and the lock counts as lost once
+        its ttl has passed since the last renewal that succeeded."""
+        loop = asyncio.get_running_loop()
+        while held.lost_reason is None:
+            await asyncio.sleep(policy.ttl_s / 3)
+            if loop.time() >= renew_until:
+                # Left to expire: a holder stuck this long must not block the reference for ever.
+                logger.warning(
+                    "reference lock %s held past %g s: no longer renewed", held.key, policy.max_hold_s
+                )
+                return
+            asked_at = loop.time()
+            try:
+                async with redis_errors():
+                    renewed = await self._redis.eval(_RENEW_LOCK, 1, held.key, held.token, _ms(policy.ttl_s))
+            except BackendUnavailable as error:
+                logger.warning("could not renew reference lock %s: %s", held.key, error.message)
+                continue
+            if not renewed:
+                held.lost_reason = "another holder took it after it expired"
+                logger.warning("reference lock %s was lost while held", held.key)
+                return
+            held.valid_until = asked_at + policy.ttl_s

@@ -14,7 +14,7 @@ from serve_app.pipelines.proofs import ProofService
 from serve_app.pipelines.transactions import TransactionService
 from serve_app.settings import Settings
 from serve_app.stores.blobs import LocalBlobStore
-from serve_app.wiring.stores import gallery_store, redis_stores, result_archive
+from serve_app.wiring.stores import gallery_store, lock_policy, redis_stores, result_archive
 from serve_app.wiring.webhooks import webhook_service
 
 
@@ -58,6 +58,7 @@ def build_api_services(settings: Settings) -> ApiServices:
             stores.audit,
             subject_key=settings.auth.key_ring().for_purpose(AUDIT_SUBJECTS),
             model_version=MODEL_VERSION,
+            lock=lock_policy(settings),
         )
         if settings.milvus.uri
         else None,

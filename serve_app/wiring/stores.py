@@ -14,6 +14,7 @@ from models.types import FUSED_DIM, MODEL_VERSION
 from serve_app.domain.keys import CLIENT_SECRETS
 from serve_app.settings import Settings, wait_replicas
 from serve_app.stores.blobs import LocalBlobStore
+from serve_app.stores.interfaces import LockPolicy
 from serve_app.stores.milvus_gallery import IndexPolicy, MilvusGalleryStore
 from serve_app.stores.redis_admission import RedisRequestAdmission
 from serve_app.stores.redis_audit import RedisAuditLog
@@ -77,6 +78,12 @@ def redis_stores(settings: Settings, redis: Redis | None = None) -> RedisStores:
         admission=RedisRequestAdmission(redis, prefix=prefix),
         audit=RedisAuditLog(redis, prefix=prefix),
     )
+
+
+def lock_policy(settings: Settings) -> LockPolicy:
+    """The lock of a face's client_reference, as every process takes it (pipelines/lifecycle.py)."""
+    redis = settings.redis
+    return LockPolicy(wait_s=redis.lock_wait_s, ttl_s=redis.lock_ttl_s, max_hold_s=redis.lock_max_hold_s)
 
 
 def gallery_store(settings: Settings, redis: Redis | None = None) -> MilvusGalleryStore:

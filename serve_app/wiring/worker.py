@@ -20,7 +20,7 @@ from serve_app.stores.blobs import LocalBlobStore
 from serve_app.stores.milvus_gallery import MilvusGalleryStore
 from serve_app.stores.redis_reconcile import RedisReconcileState
 from serve_app.stores.result_archive import BlobResultArchive
-from serve_app.wiring.stores import RedisStores, gallery_store, redis_stores, result_archive
+from serve_app.wiring.stores import RedisStores, gallery_store, lock_policy, redis_stores, result_archive
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ def build_processor(
         max_image_pixels=settings.limits.max_image_pixels,
         analysis_max_side=settings.models.analysis_max_side,
         calibration=FaceScoreCalibration.load(),
+        lock=lock_policy(settings),
         age_rule=AgeIntervalRule.load(minor_cleared_rate=settings.models.age_minor_cleared_rate),
     )
     return TransactionProcessor(
@@ -109,6 +110,7 @@ def build_reconciler(settings: Settings, holder: str, stores: WorkerStores | Non
         state=RedisReconcileState(stores.redis.redis, prefix=settings.redis.key_prefix),
         holder=holder,
         policy=ReconcilePolicy(
+            lock=lock_policy(settings),
             grace_s=worker.reconcile_grace_s,
             batch=worker.reconcile_batch,
             lease_s=worker.reconcile_lease_s,

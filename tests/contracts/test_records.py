@@ -7,11 +7,11 @@ import dataclasses
 
 import pytest
 
-from serve_app.domain.errors import BackendUnavailable
+from serve_app.domain.errors import LockUnavailable
 from serve_app.domain.faces import FaceRecord
 from serve_app.domain.gallery import GalleryCounts
 from serve_app.domain.transactions import new_reference_id
-from serve_app.stores.interfaces import FaceRecordStore
+from serve_app.stores.interfaces import FaceRecordStore, LockPolicy
 from tests.contracts.conftest import MODEL_VERSION, Opener, run_with
 
 
@@ -160,7 +160,28 @@ def test_records_for_reference_and_counts(open_records: Opener[FaceRecordStore])
     run_with(open_records, scenario)
 
 
-def test_reference_lock_excludes_and_gives_up_after_its_timeout(
+def lock(wait_s: float, ttl_s: float = 10.0, max_hold_s: float = 60.0) -> LockPolicy:
+    return LockPolicy(wait_s=wait_s, ttl_s=ttl_s, max_hold_s=max_hold_s)
+
+
+def test_existing_names_the_faces_with_a_record(open_records: Opener[FaceRecordStore]) -> None:
+    async def scenario(store: FaceRecordStore) -> None:
+        a1, b1 = record("tenant-a", None, 1.0), record("tenant-b", "ref", 2.0)
+        for item in (a1, b1):
+            await store.put(item)
+        asked = [
+            ("tenant-a", a1.face_id),
+            ("tenant-b", a1.face_id),
+            ("tenant-b", b1.face_id),
+            ("tenant-a", "fx"),
+        ]
+        assert await store.existing(asked) == {("tenant-a", a1.face_id), ("tenant-b", b1.face_id)}
+        assert await store.existing([]) == set()
+
+    run_with(open_records, scenario)
+
+
+def test_reference_lock_excludes_and_gives_up_after_its_wait(
     open_records: Opener[FaceRecordStore],
 ) -> None:
     async def scenario(store: FaceRecordStore) -> None:
@@ -168,7 +189,7 @@ def test_reference_lock_excludes_and_gives_up_after_its_timeout(
         overlaps: list[int] = []
 
         async def hold(name: str) -> None:
-            async with store.reference_lock("tenant-a", "ref-1", 10.0):
+            async with store.reference_lock("tenant-a", "ref-1", lock(10.0)):
                 inside.append(name)
                 overlaps.append(len(inside))
                 await asyncio.sleep(0.02)
@@ -180,49 +201,96 @@ def test_reference_lock_excludes_and_gives_up_after_its_timeout(
         holding, release = asyncio.Event(), asyncio.Event()
 
         async def holder() -> None:
-            async with store.reference_lock("tenant-a", "ref-1", 10.0):
+            async with store.reference_lock("tenant-a", "ref-1", lock(10.0)):
                 holding.set()
                 await release.wait()
 
         task = asyncio.create_task(holder())
         await holding.wait()
         # Other references and tenants are not held up.
-        async with store.reference_lock("tenant-a", "ref-2", 1.0):
+        async with store.reference_lock("tenant-a", "ref-2", lock(1.0)):
             pass
-        async with store.reference_lock("tenant-b", "ref-1", 1.0):
+        async with store.reference_lock("tenant-b", "ref-1", lock(1.0)):
             pass
-        with pytest.raises(BackendUnavailable):
-            async with store.reference_lock("tenant-a", "ref-1", 0.2):
+        with pytest.raises(LockUnavailable):
+            async with store.reference_lock("tenant-a", "ref-1", lock(0.2)):
                 pass
         release.set()
         await task
-        async with store.reference_lock("tenant-a", "ref-1", 1.0):
+        async with store.reference_lock("tenant-a", "ref-1", lock(1.0)):
             pass
 
     run_with(open_records, scenario)
 
 
-def test_a_reference_lock_expires_timeout_s_after_it_was_taken(open_records: Opener[FaceRecordStore]) -> None:
-    """So a holder that died (or hangs) cannot block the reference for longer than timeout_s."""
+def test_a_working_holder_keeps_the_lock_past_its_ttl(open_records: Opener[FaceRecordStore]) -> None:
+    """The lock is renewed while its holder works: a slow holder is not overtaken after ttl_s."""
 
     async def scenario(store: FaceRecordStore) -> None:
         taken, release = asyncio.Event(), asyncio.Event()
+        face = record("tenant-a", "ref-1", 1.0)
 
-        async def stuck_holder() -> None:
-            async with store.reference_lock("tenant-a", "ref-1", 0.3):
+        async def slow_holder() -> None:
+            async with store.reference_lock("tenant-a", "ref-1", lock(5.0, ttl_s=0.3)) as held:
                 taken.set()
                 await release.wait()
+                held.check()
+                await store.put(face, held)
+
+        task = asyncio.create_task(slow_holder())
+        await taken.wait()
+        with pytest.raises(LockUnavailable):  # waits three of the lock's ttls: it never lapsed
+            async with store.reference_lock("tenant-a", "ref-1", lock(0.9)):
+                pass
+        release.set()
+        await task
+        assert await store.get("tenant-a", face.face_id) == face
+
+    run_with(open_records, scenario)
+
+
+def test_a_holder_past_its_max_hold_loses_the_lock_and_cannot_write(
+    open_records: Opener[FaceRecordStore],
+) -> None:
+    """A holder stuck past max_hold_s stops renewing: the lock lapses ttl_s later, the next holder takes it,
+    and from then on every write that names the stuck holder's lock is refused, with nothing written."""
+
+    async def scenario(store: FaceRecordStore) -> None:
+        taken, release = asyncio.Event(), asyncio.Event()
+        stuck_face = record("tenant-a", "ref-1", 1.0)
+        next_face = record("tenant-a", "ref-1", 2.0)
+        refused: list[str] = []
+
+        async def stuck_holder() -> None:
+            async with store.reference_lock(
+                "tenant-a", "ref-1", lock(5.0, ttl_s=0.2, max_hold_s=0.2)
+            ) as held:
+                taken.set()
+                await release.wait()
+                with pytest.raises(LockUnavailable):
+                    held.check()
+                for write in (
+                    lambda: store.put(stuck_face, held),
+                    lambda: store.delete("tenant-a", next_face.face_id, held),
+                    lambda: store.mark_erased("tenant-a", "ref-1", 3.0, held),
+                ):
+                    with pytest.raises(LockUnavailable):
+                        await write()
+                    refused.append("refused")
 
         task = asyncio.create_task(stuck_holder())
         await taken.wait()
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        async with store.reference_lock("tenant-a", "ref-1", 30.0):
-            waited = loop.time() - started
-        assert waited >= 0.2  # it did wait for the expiry (a lower bound only)
-        release.set()
-        await task  # the expired holder's release takes nothing from anyone
-        async with store.reference_lock("tenant-a", "ref-1", 1.0):
-            pass
+        async with store.reference_lock("tenant-a", "ref-1", lock(5.0)) as held:
+            await store.put(next_face, held)
+            release.set()
+            await task
+            # The stuck holder's release took nothing from the holder that has the lock now.
+            with pytest.raises(LockUnavailable):
+                async with store.reference_lock("tenant-a", "ref-1", lock(0.1)):
+                    pass
+        assert refused == ["refused"] * 3
+        assert await store.get("tenant-a", stuck_face.face_id) is None
+        assert await store.get("tenant-a", next_face.face_id) == next_face
+        assert await store.erased_at("tenant-a", "ref-1") is None
 
     run_with(open_records, scenario)

@@ -41,6 +41,7 @@ from serve_app.pipelines.processing import enrolled_face_id
 from serve_app.pipelines.reconcile import ReconcilePolicy, Reconciler
 from serve_app.pipelines.reindex import ImageLimits, ReindexState, reindex_tenant
 from serve_app.stores.blobs import LocalBlobStore
+from serve_app.stores.interfaces import HeldLock
 from serve_app.stores.milvus_gallery import MilvusGalleryStore
 from serve_app.stores.redis_audit import RedisAuditLog
 from serve_app.stores.redis_reconcile import RedisReconcileState
@@ -48,6 +49,7 @@ from serve_app.stores.redis_records import RedisFaceRecordStore
 from serve_app.stores.redis_support import connect_redis
 from serve_app.stores.redis_transactions import RedisTransactionStore
 from tests.integration.conftest import GalleryBackend
+from tests.unit.fakes import TEST_LOCK
 
 VERSION_A = "face_va_retired"
 VERSION_B = "face_vb_serving"
@@ -94,12 +96,12 @@ class HookedRecords(RedisFaceRecordStore):
 
     during_put: Callable[[], Awaitable[None]] | None = None
 
-    async def put(self, record: FaceRecord) -> None:
+    async def put(self, record: FaceRecord, lock: HeldLock | None = None) -> None:
         hook = self.during_put
         if hook is not None and record.model_version == VERSION_B:
             self.during_put = None  # once
             await hook()
-        await super().put(record)
+        await super().put(record, lock)
 
 
 @dataclass
@@ -119,7 +121,7 @@ class Rig:
     def service(self, gallery: MilvusGalleryStore, version: str) -> GalleryService:
         return GalleryService(
             self.records, gallery, self.blobs, self.audit, subject_key=b"versions", model_version=version,
-            lock_timeout_s=30.0,
+            lock=TEST_LOCK,
         )  # fmt: skip
 
     async def enrol_under_a(self, client_reference: str | None, seed: int = 1) -> str:
@@ -137,7 +139,7 @@ class Rig:
         report = await reindex_tenant(
             TENANT, records=self.records, gallery=self.new, blobs=self.blobs, analysis=self.analysis,
             model_version=VERSION_B, limits=ImageLimits(40_000_000, 1920),
-            state=ReindexState.load(self.tmp_path / f"reindex-{uuid.uuid4().hex}.json"),
+            state=ReindexState.load(self.tmp_path / f"reindex-{uuid.uuid4().hex}.json"), lock=TEST_LOCK,
         )  # fmt: skip
         return report.reindexed
 
@@ -291,7 +293,7 @@ def test_reconcile_removes_vectors_older_versions_kept_of_removed_faces(
 
             reconciler = Reconciler(
                 r.records, r.new, r.transactions, r.state, "versions",
-                ReconcilePolicy(grace_s=0.0, batch=2, lock_timeout_s=10, model_version=VERSION_B), r.blobs,
+                ReconcilePolicy(TEST_LOCK, grace_s=0.0, batch=2, model_version=VERSION_B), r.blobs,
             )  # fmt: skip
             # The first pass notes the suspects (and, with no grace, may repair them at its end); the
             # second re-checks whatever is left.

@@ -53,7 +53,7 @@ from serve_app.pipelines.processing import ProcessingPolicy, TransactionProcesso
 from serve_app.pipelines.reconcile import ReconcilePolicy, Reconciler, ReconcileReport
 from serve_app.pipelines.reindex import ImageLimits, ReindexState, reindex_tenant
 from serve_app.stores.blobs import LocalBlobStore
-from serve_app.stores.interfaces import GalleryStore
+from serve_app.stores.interfaces import GalleryStore, LockPolicy
 from serve_app.stores.milvus_gallery import MilvusGalleryStore
 from serve_app.stores.redis_audit import RedisAuditLog
 from serve_app.stores.redis_reconcile import RedisReconcileState
@@ -66,6 +66,7 @@ VERSION = "v1"
 OLD_VERSION = "v0"  # a gallery enrolled before a model upgrade, re-indexed into VERSION
 DIMENSION = 8
 GRACE_S = 600.0
+LOCK = LockPolicy(wait_s=10.0, ttl_s=2.0, max_hold_s=60.0)
 SEARCH_SIMILARITY = 0.999  # only the face's own embedding comes this close (random 8-d unit vectors)
 
 
@@ -130,7 +131,7 @@ Hook = Callable[[], Awaitable[None]]
 
 class HookedGallery:
     """A GalleryStore that runs a one-shot hook just before the named call: 'add', 'delete', or 'vectors'
-    (page_ids and all_face_ids: a scan of the vectors)."""
+    (page_ids: a scan of the vectors)."""
 
     def __init__(self, inner: GalleryStore) -> None:
         self._inner = inner
@@ -223,7 +224,7 @@ class Rig:
             max_image_pixels=1_000_000,
             analysis_max_side=64,
             calibration=FaceScoreCalibration.load(),
-            override_lock_timeout_s=10.0,
+            lock=LOCK,
         )
         analysis = StandInAnalysis()
         self.processor = TransactionProcessor(
@@ -241,7 +242,7 @@ class Rig:
             RedisAuditLog(self.redis, prefix=prefix),
             subject_key=b"reconcile-concurrency-test-key",
             model_version=VERSION,
-            lock_timeout_s=10.0,
+            lock=LOCK,
         )
 
     async def close(self) -> None:
@@ -295,14 +296,16 @@ class Rig:
         """One complete pass; during_vector_scan runs once, just before the pass reads the vectors."""
         if during_vector_scan is not None:
             self.reconciling.before["vectors"] = during_vector_scan
-        reconciler = Reconciler(
-            self.records, self.reconciling, self.transactions, self.state, "test",
-            ReconcilePolicy(grace_s=GRACE_S, batch=2, lease_s=30, lock_timeout_s=10, model_version=VERSION),
-            self.blobs, clock=self.clock,
-        )  # fmt: skip
-        report = await reconciler.run_pass()
+        report = await self.reconciler("test", self.reconciling).run_pass()
         assert report is not None and report.completed, report
         return report
+
+    def reconciler(self, holder: str, gallery: GalleryStore, lease_s: float = 30.0) -> Reconciler:
+        return Reconciler(
+            self.records, gallery, self.transactions, self.state, holder,
+            ReconcilePolicy(LOCK, grace_s=GRACE_S, batch=2, lease_s=lease_s, model_version=VERSION),
+            self.blobs, clock=self.clock,
+        )  # fmt: skip
 
     async def reconcile_past_grace(self, during_vector_scan: Hook | None = None) -> ReconcileReport:
         """A pass, then another once the grace period of everything it noted has passed."""
@@ -316,7 +319,7 @@ class Rig:
         await reindex_tenant(
             self.tenant, records=self.records, gallery=self.reindexing, blobs=self.blobs,
             analysis=self.analysis, model_version=VERSION, limits=ImageLimits(1_000_000, 64),
-            state=ReindexState(self.blob_dir / f"reindex-{uuid.uuid4().hex[:6]}.json"),
+            state=ReindexState(self.blob_dir / f"reindex-{uuid.uuid4().hex[:6]}.json"), lock=LOCK,
         )  # fmt: skip
 
     # -- what a client and the search see -------------------------------------------------------------
@@ -457,14 +460,72 @@ def test_debris_of_interrupted_removals_is_repaired_only_after_the_grace_period(
 
 def test_one_pass_at_a_time_and_a_crashed_holder_loses_the_lease(backends: Backends) -> None:
     async def body(rig: Rig) -> None:
-        assert await rig.state.acquire_lease("crashed-worker", 0.3)
-        other = Reconciler(rig.records, rig.gallery, rig.transactions, rig.state, "other", clock=rig.clock)
+        assert await rig.state.acquire("crashed-worker", 0.3)
+        other = rig.reconciler("other", rig.gallery)
         assert await other.run_pass() is None
-        assert not await rig.state.renew_lease("other", 30)
+        assert not await rig.state.renew("other", 30)
+        assert not await rig.state.write("other", {"cursor": "not the holder's"})  # fenced
+        assert await rig.state.read("cursor") is None
         await asyncio.sleep(0.5)  # the crashed holder never renews
         report = await other.run_pass()
         assert report is not None and report.completed
-        assert await rig.state.acquire_lease("next", 30)  # released at the end of the pass
+        assert await rig.state.acquire("next", 30)  # released at the end of the pass
+
+    run(lambda: with_rig(backends, body))
+
+
+class CountingGallery(HookedGallery):
+    """HookedGallery that also logs every scan and lookup it serves."""
+
+    def __init__(self, inner: GalleryStore) -> None:
+        super().__init__(inner)
+        self.calls: list[str] = []
+
+    async def page_ids(
+        self, tenant_id: str, after: str | None, limit: int, *, all_versions: bool = False
+    ) -> tuple[list[str], str | None]:
+        self.calls.append("page_ids")
+        return await super().page_ids(tenant_id, after, limit, all_versions=all_versions)
+
+    async def present(
+        self, tenant_id: str, face_ids: Sequence[str], *, all_versions: bool = False
+    ) -> set[str]:
+        self.calls.append("present")
+        return await super().present(tenant_id, face_ids, all_versions=all_versions)
+
+
+def test_a_holder_whose_lease_lapsed_mid_pass_stops_and_never_overwrites_the_next_holders_cursor(
+    backends: Backends,
+) -> None:
+    """The first holder is held up in the middle of its pass (just before it reads the vectors) for longer
+    than its lease; a second holder takes the lease and completes a whole pass. When the first resumes it
+    finishes the batch it was in and stops at its checkpoint: the lease is renewed before the cursor is
+    written, and the write is fenced, so the completed pass is not undone by a stale cursor (which would
+    make the next pass start half-way) and no second pass goes on beside the first."""
+
+    async def body(rig: Rig) -> None:
+        for index in range(5):
+            await rig.enrol(index + 1)
+        first_view = CountingGallery(rig.gallery)
+        first = rig.reconciler("first", first_view, lease_s=0.5)
+        second = rig.reconciler("second", rig.gallery)
+        seconds: list[ReconcileReport | None] = []
+        calls_before_resuming: list[int] = []
+
+        async def held_up_past_the_lease() -> None:
+            await asyncio.sleep(1.0)  # the lease (0.5 s) lapses
+            seconds.append(await second.run_pass())
+            calls_before_resuming.append(len(first_view.calls))
+
+        first_view.before["vectors"] = held_up_past_the_lease
+        report = await first.run_pass()
+
+        assert seconds and seconds[0] is not None and seconds[0].completed
+        assert report is not None and not report.completed
+        assert first_view.calls[calls_before_resuming[0] :] == []  # nothing after the batch it was in
+        assert await rig.state.read("cursor") is None  # the completed pass' state, not a stale cursor
+        assert await rig.state.last_completed() == rig.clock()
+        assert await rig.state.acquire("next", 30)  # and the stale holder's release took nothing
 
     run(lambda: with_rig(backends, body))
 

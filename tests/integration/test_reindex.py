@@ -31,6 +31,7 @@ from serve_app.stores.redis_records import RedisFaceRecordStore
 from serve_app.stores.redis_support import connect_redis
 from tests.faces_dev import load_faces_dev
 from tests.integration.conftest import GalleryBackend
+from tests.unit.fakes import TEST_LOCK
 
 OLD_VERSION = "face_v0_retired"
 _DEFAULTS = Settings()
@@ -119,13 +120,13 @@ def test_reindex_reembeds_from_proofs_and_resumes(
             await reindex_tenant(
                 "tenant-a", records=records, gallery=gallery, blobs=blobs, analysis=LocalAnalysis(analyzer),
                 model_version=MODEL_VERSION, limits=LIMITS, state=ReindexState.load(state_path),
-                on_face=interrupt_after_three,
+                lock=TEST_LOCK, on_face=interrupt_after_three,
             )  # fmt: skip
         versions = {face_id: (await records.get("tenant-a", face_id)) for face_id in usable}
         assert [r.model_version if r else None for r in versions.values()] == [MODEL_VERSION] + [
             OLD_VERSION
         ] * 4
-        assert await gallery.all_face_ids("tenant-a") == {("tenant-a", "a0")}
+        assert await gallery.page_ids("tenant-a", None, 100) == (["a0"], None)
         assert set(json.loads(state_path.read_text())["unusable"]) == {"a-missing", "a-noface"}
 
     asyncio.run(with_stores(enrol_and_interrupt))
@@ -173,7 +174,7 @@ def test_reindex_reembeds_from_proofs_and_resumes(
         counting = CountingAnalysis(analyzer)
         again = await reindex_tenant(
             "tenant-a", records=records, gallery=gallery, blobs=blobs, analysis=counting,
-            model_version=MODEL_VERSION, limits=LIMITS, state=ReindexState.load(state_path),
+            model_version=MODEL_VERSION, limits=LIMITS, state=ReindexState.load(state_path), lock=TEST_LOCK,
         )  # fmt: skip
         assert (again.reindexed, again.already_current, counting.calls) == (0, 5, 0)
 

@@ -10,7 +10,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -239,21 +239,100 @@ def test_an_archived_result_ends_with_its_retention(redis_url: str, tmp_path: Pa
     run(scenario())
 
 
+class PausingArchive:
+    """The real archive, logging each put as (holder, reference_id); `pause` runs inside the next put."""
+
+    def __init__(self, inner: BlobResultArchive, holder: str, log: list[tuple[str, str]]) -> None:
+        self._inner = inner
+        self._holder = holder
+        self._log = log
+        self.pause: Callable[[], Awaitable[object]] | None = None
+
+    async def put(self, tx: Transaction) -> None:
+        self._log.append((self._holder, tx.reference_id))
+        pause, self.pause = self.pause, None
+        if pause is not None:
+            await pause()
+        await self._inner.put(tx)
+
+    async def get(self, reference_id: str) -> Transaction | None:
+        return await self._inner.get(reference_id)
+
+    async def sweep(self, archived_after_s: float) -> int:
+        return await self._inner.sweep(archived_after_s)
+
+
 def test_one_archiver_at_a_time_and_a_dead_holder_loses_the_lease(redis_url: str, tmp_path: Path) -> None:
     async def scenario() -> None:
         redis = connect_redis(redis_url)
         store, archive = stores(redis, tmp_path, archive_after_s=1)
         lease = RedisLease(redis, "result-archive", store._prefix)
-        first = ResultArchiver(store, archive, lease, hot_window_s=0, every_s=0.1)
+        log: list[tuple[str, str]] = []
+        held_up = PausingArchive(archive, "worker-1", log)
+        first = ResultArchiver(store, held_up, lease, hot_window_s=0, every_s=0.1)
         second = ResultArchiver(store, archive, lease, hot_window_s=0, every_s=0.1)
+        inside = asyncio.Event()
         try:
             await finished(store, new_tx(TransactionKind.AGE_ESTIMATION), AGE)
+
+            async def while_inside() -> None:
+                inside.set()
+                assert await second.run_once("worker-2") is None  # worker-1 holds it during its pass
+
+            held_up.pause = while_inside
             report = await first.run_once("worker-1")
-            assert report is not None and report.dropped == 1
-            assert await second.run_once("worker-2") is None  # worker-1 holds it
-            assert await first.run_once("worker-1") is not None  # and keeps it
-            await asyncio.sleep(0.4)  # worker-1 stopped renewing (3 periods)
+            assert inside.is_set() and report is not None and report.dropped == 1
+            # Given back at the end of the pass: the next one is whoever asks first.
             assert await second.run_once("worker-2") is not None
+            # A holder that died holding it: taken once it lapsed (3 periods).
+            assert await lease.acquire("dead-worker", 0.3)
+            assert await second.run_once("worker-2") is None
+            await asyncio.sleep(0.4)
+            assert await second.run_once("worker-2") is not None
+        finally:
+            await redis.aclose()
+
+    run(scenario())
+
+
+def test_an_archiver_whose_lease_lapsed_mid_pass_stops_at_its_next_batch(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """worker-1 is held up inside its first batch past its lease; worker-2 takes the lease and starts a
+    pass, which is held up in turn until worker-1 has resumed and returned. worker-1 must not go on to a
+    second batch beside worker-2's pass: it renews before every batch and finds the lease taken."""
+
+    async def scenario() -> None:
+        redis = connect_redis(redis_url)
+        store, archive = stores(redis, tmp_path, archive_after_s=1)
+        lease = RedisLease(redis, "result-archive", store._prefix)
+        log: list[tuple[str, str]] = []
+        first_view, second_view = (
+            PausingArchive(archive, "worker-1", log),
+            PausingArchive(archive, "worker-2", log),
+        )
+        first = ResultArchiver(store, first_view, lease, hot_window_s=0, every_s=0.1, batch=1)
+        second = ResultArchiver(store, second_view, lease, hot_window_s=0, every_s=0.1, batch=1)
+        first_returned = asyncio.Event()
+        try:
+            txs = [await finished(store, new_tx(TransactionKind.AGE_ESTIMATION), AGE) for _ in range(4)]
+
+            async def past_the_lease() -> None:
+                await asyncio.sleep(0.6)  # the lease (3 x 0.1 s) lapses
+
+            first_view.pause = past_the_lease
+            second_view.pause = first_returned.wait
+            first_pass = asyncio.create_task(first.run_once("worker-1"))
+            await asyncio.sleep(0.4)  # worker-1 is inside its first batch; its lease has lapsed
+            second_pass = asyncio.create_task(second.run_once("worker-2"))
+            assert await first_pass is None  # it lost the lease during its pass
+            first_returned.set()
+            report = await second_pass
+            assert report is not None
+            assert [entry for entry in log if entry[0] == "worker-1"] == [("worker-1", txs[0].reference_id)]
+            for tx in txs:  # every result archived once the passes are over, and readable
+                assert await archive.get(tx.reference_id) is not None
+            assert await store.finished_before(0, 10) == []
         finally:
             await redis.aclose()
 

@@ -34,6 +34,7 @@ from serve_app.stores.interfaces import (
     ClientStore,
     FaceRecordStore,
     GalleryStore,
+    LockPolicy,
     RateLimiter,
     RequestAdmission,
     TransactionStore,
@@ -428,7 +429,7 @@ def test_redis_down_fails_fast_in_every_store() -> None:
                 with pytest.raises(BackendUnavailable, match="Redis is unavailable"):
                     await settle(call())
             with pytest.raises(BackendUnavailable):
-                async with records.reference_lock("t", "r", 1.0):
+                async with records.reference_lock("t", "r", _lock(1.0)):
                     pass
         finally:
             await redis.aclose()
@@ -499,6 +500,10 @@ def test_face_records(servers: EmbeddedServices) -> None:
     run(scenario)
 
 
+def _lock(wait_s: float) -> LockPolicy:
+    return LockPolicy(wait_s=wait_s, ttl_s=10.0, max_hold_s=60.0)
+
+
 def test_reference_lock_serialises_and_times_out(servers: EmbeddedServices) -> None:
     async def scenario() -> None:
         redis = connect_redis(str(servers.redis_url))
@@ -506,7 +511,7 @@ def test_reference_lock_serialises_and_times_out(servers: EmbeddedServices) -> N
         events: list[str] = []
 
         async def holder(name: str, hold_s: float) -> None:
-            async with store.reference_lock("tenant-a", "ref-1", 2.0):
+            async with store.reference_lock("tenant-a", "ref-1", _lock(2.0)):
                 events.append(f"{name} in")
                 await asyncio.sleep(hold_s)
                 events.append(f"{name} out")
@@ -516,12 +521,12 @@ def test_reference_lock_serialises_and_times_out(servers: EmbeddedServices) -> N
             assert events in (["a in", "a out", "b in", "b out"], ["b in", "b out", "a in", "a out"])
 
             # Another reference is independent.
-            async with store.reference_lock("tenant-a", "ref-1", 2.0):
-                async with store.reference_lock("tenant-a", "ref-2", 0.5):
+            async with store.reference_lock("tenant-a", "ref-1", _lock(2.0)):
+                async with store.reference_lock("tenant-a", "ref-2", _lock(0.5)):
                     pass
 
                 async def take_held_lock() -> None:
-                    async with store.reference_lock("tenant-a", "ref-1", 0.3):
+                    async with store.reference_lock("tenant-a", "ref-1", _lock(0.3)):
                         pass
 
                 with pytest.raises(BackendUnavailable, match="lock"):

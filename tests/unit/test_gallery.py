@@ -44,6 +44,7 @@ def service(
         audit or FakeAuditLog(),
         subject_key=KEY,
         model_version=world.policy.model_version,
+        lock=world.policy.lock,
         clock=clock,
     )
 

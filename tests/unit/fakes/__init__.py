@@ -44,6 +44,7 @@ from tests.unit.fakes.transactions import FakeTransactionStore
 from tests.unit.fakes.work_queue import FakeWorkQueue
 from tests.unit.fakes.world import (
     SERVICE_SECRET,
+    TEST_LOCK,
     TEST_POLICY,
     Api,
     World,
@@ -55,6 +56,7 @@ from tests.unit.fakes.world import (
 __all__ = [
     "EMBEDDING_SIZE",
     "SERVICE_SECRET",
+    "TEST_LOCK",
     "TEST_POLICY",
     "Api",
     "Color",

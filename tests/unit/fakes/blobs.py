@@ -6,6 +6,7 @@ import time
 from collections.abc import Collection
 
 from serve_app.stores.blobs import validate_content_type, validate_key
+from serve_app.stores.interfaces import BlobPage
 from tests.unit.fakes.common import Faults
 
 
@@ -42,3 +43,11 @@ class FakeBlobStore:
         for key in doomed:
             await self.delete(key)
         return len(doomed)
+
+    async def scan_old(self, after: str | None, older_than_s: float, limit: int) -> BlobPage:
+        """Keys in order, the cursor being the last key of the page."""
+        await self._faults.check("blobs.scan_old")
+        cutoff = time.time() - older_than_s
+        keys = sorted(key for key in self.items if after is None or key > after)[:limit]
+        old = [key for key in keys if self.written_at.get(key, 0.0) < cutoff]
+        return BlobPage(old, 0, keys[-1] if len(keys) == limit else None)

@@ -20,6 +20,7 @@ from serve_app.pipelines.auth import ClientAuthenticator
 from serve_app.pipelines.processing import ProcessingPolicy, TransactionProcessor
 from serve_app.pipelines.proofs import ProofService
 from serve_app.pipelines.transactions import TransactionService
+from serve_app.stores.interfaces import LockPolicy
 from tests.unit.fakes.blobs import FakeBlobStore
 from tests.unit.fakes.clients import FakeClientStore, FakeRateLimiter, FakeRequestAdmission
 from tests.unit.fakes.common import MODEL_VERSION, Faults, ManualClock
@@ -29,6 +30,9 @@ from tests.unit.fakes.records import FakeFaceRecordStore
 from tests.unit.fakes.transactions import FakeTransactionStore
 from tests.unit.fakes.work_queue import FakeWorkQueue
 
+# The reference lock of the tests: waits and holds long enough for any unit test, lapses fast for a dead one.
+TEST_LOCK = LockPolicy(wait_s=10.0, ttl_s=2.0, max_hold_s=60.0)
+
 TEST_POLICY = ProcessingPolicy(
     model_version=MODEL_VERSION,
     max_matches=10,
@@ -36,7 +40,7 @@ TEST_POLICY = ProcessingPolicy(
     max_image_pixels=40_000_000,
     analysis_max_side=1920,
     calibration=FaceScoreCalibration.load(),
-    override_lock_timeout_s=5.0,
+    lock=TEST_LOCK,
     tenant_cache_s=0.0,
 )
 
