@@ -49,8 +49,9 @@ same-person pairs do at a 1 M gallery).
 
 Inserts go through MilvusGalleryStore (the service's code path) under exact FLAT search; unless
 --skip-flat the queries are timed on it. Then a store with an index policy naming the first of --indexes
-opens the collection, finds it past --flat-max-rows and switches it (flush, release, drop, build, load),
-as the insert crossing the threshold would. A switch at the end of a 10 M fill would hold every float and
+opens the collection, finds it past --flat-max-rows and switches it (a new collection beside it, built and
+loaded, then swapped in; bench/index_switch.py times that under load), as the insert crossing the threshold
+would. A switch at the end of a 10 M fill would hold every float and
 the build at once (beyond 24 GiB): with --switch-early the inserting store itself carries that policy and
 switches when an insert crosses --flat-max-rows, as the service does, so the server indexes each segment
 as it seals; after the fill the bench flushes and times the wait until the index covers every row and
@@ -614,7 +615,7 @@ async def bench_size(
             assert store.index_type == index, store.index_type
         elif position == 0 and args.backend == "server":
             switched = MilvusGalleryStore(server.uri, index_policy=policy, **common)
-            await switched.ensure_ready()  # finds the collection past its threshold and switches it
+            await switched.switch_index_if_due()  # finds the collection past its threshold and switches it
             assert switched.index_type == index, switched.index_type
             await switched.close()
         else:

@@ -121,17 +121,20 @@ class MilvusSettings(_Group):
         "HNSW); "
         'defaults: `{"nprobe": 64, "ef": 128}`',
     )
-    consistency_level: Literal["Strong", "Bounded", "Session", "Eventually"] = Field(
-        "Strong",
-        description="of searches: `Strong` makes a face searchable as soon as its enrolment is answered (a "
-        "Milvus server adds up to one time tick, ~200 ms, per search); `Bounded` skips that wait and a new "
+    consistency_level: Literal["Tenant", "Strong", "Bounded", "Session", "Eventually"] = Field(
+        "Tenant",
+        description="of searches: `Tenant` makes a face searchable as soon as its enrolment is answered, "
+        "and a search waits only for its own tenant's last write (its Milvus timestamp, kept in Redis), "
+        "which is visible already unless it was a moment ago; `Strong` waits for every write (a Milvus "
+        "server adds up to one time tick, ~200 ms, to every search); `Bounded` waits for none and a new "
         'face becomes searchable within the server\'s gracefulTime (5 s by default); see "Milvus at scale"',
     )
     index_switch_timeout_s: float = Field(
         1800.0,
         gt=0,
-        description="bound on building the large index at the switch (and again on loading it); one "
-        "replica at a time switches, under a Redis lease",
+        description="bound on copying the rows into the collection built beside the served one and "
+        "building its large index at the switch; one replica at a time switches, under a Redis lease, "
+        "while the served collection goes on serving",
     )
 
     @field_validator("large_index")

@@ -216,8 +216,6 @@ class GalleryStore(Protocol):
         earlier version enrolled, which a re-index left in place, included): a deleted or erased face
         leaves no vector anywhere. Ids unknown or of another tenant are left alone."""
 
-    async def all_face_ids(self, tenant_id: str | None = None) -> set[tuple[str, str]]: ...
-
     async def page_ids(
         self, tenant_id: str, after: str | None, limit: int, *, all_versions: bool = False
     ) -> tuple[list[str], str | None]:
@@ -230,7 +228,17 @@ class GalleryStore(Protocol):
     ) -> set[str]:
         """Which of these face ids have a vector (of the store's version, or with all_versions of any)."""
 
-    async def count(self) -> int: ...
+
+class TenantWriteClock(Protocol):
+    """Per tenant, the Milvus timestamp of its newest acknowledged gallery write, shared by every replica:
+    a search that waits for it sees that write (read-your-enrolment) without Strong's wait on every search
+    (milvus_gallery, "Consistency")."""
+
+    async def advance(self, tenant_id: str, timestamp: int) -> None:
+        """Raise the tenant's timestamp to `timestamp`; a lower one leaves it as it is (monotone)."""
+
+    async def read(self, tenant_id: str) -> int:
+        """The tenant's timestamp; 0 when none was recorded."""
 
 
 class Leases(Protocol):

@@ -37,20 +37,38 @@
   created before this layout existed (no partition key) is read and written as it is; docs/scaling.md,
   "Milvus at scale" section gives the migration.
 - Index by size (IndexPolicy): exact FLAT up to `flat_max_rows` rows, then IVF_FLAT on a Milvus server
-  (or IVF_SQ8 / HNSW when configured; milvus-lite always stays FLAT, see _wanted_index). The
-  replica whose insert crosses the threshold rebuilds the index (release, drop, create, load) while it
-  holds a cluster-wide lease (interfaces.Leases, in Redis), so of many replicas crossing it together one
-  rebuilds and the others carry on inserting; the rebuild is bounded (`switch_timeout_s` for the build,
-  and again for the load; past it the collection goes back to FLAT and a later insert tries again).
-  Searches meanwhile fail as BackendUnavailable ("not loaded") and are retried.
+  (or IVF_SQ8 / HNSW when configured; milvus-lite always stays FLAT, see _wanted_index). The insert that
+  crosses the threshold starts the switch in the background (it does not hold up an enrolment, which holds
+  a face's lock); one replica at a time runs it, under a cluster-wide lease (interfaces.Leases, in Redis).
+  The new index is built beside the served collection, which serves every search throughout:
+  1. a second collection `{name}__g{n+1}` is created with the new index and loaded; from then on every
+     replica's writes go to both (the served one first): each looks for such a collection at most
+     _MARKER_TTL_S before a batch of writes, and the switch waits out a write's window before it copies;
+  2. the rows are copied from the served collection (_backfill: a row the new one already has is newer
+     and kept; a row removed while it was copied is removed again);
+  3. once the index covers the sealed segments, the served name moves to the new collection: a Milvus
+     alias, swapped with alter_alias; the old collection is dropped a write's window later, when the calls
+     that found it have ended. A collection made before this scheme holds the name itself: it is renamed
+     (it goes on serving what is under way) and the alias created at once, and the calls that look the
+     name up in between are tried again within their deadline (_run), never failed.
+  Copy and build are bounded by `switch_timeout_s`; a switch that fails or stops (its process ends)
+  leaves the served collection as it was, and the next insert past the threshold starts over, dropping
+  the half-built collection. At the peak the server holds both collections (bench/index_switch.py).
 - Adding is delete-then-insert, never `upsert`: Milvus 2.3.5's upsert writes rows of a partition-key
   collection into the wrong partitions (a tenant filter then misses them; fixed upstream later), and an
   upsert is a delete plus an insert inside the server anyway, no more atomic than this.
-- Consistency (`consistency_level`, "Strong" by default): a search sees every write acknowledged before it
-  started, on every replica, so an enrolled face is searchable as soon as its enrolment is answered. On a
-  Milvus server that costs up to one time tick per search (~200 ms at the default
-  proxy.timeTickInterval); "Bounded" drops it, and a new face then becomes searchable within the
-  server's gracefulTime (5 s by default). See docs/scaling.md, "Milvus at scale".
+- Consistency (`consistency_level`, "Tenant" by default): a face is searchable as soon as its enrolment
+  is answered, on every replica, without Strong's wait on every search (up to one time tick, ~200-400 ms on
+  a Milvus server). `add` records, per tenant, the Milvus timestamp of its newest write in Redis
+  (interfaces.TenantWriteClock: a monotone maximum, before `add` returns), and a search passes its
+  tenant's timestamp as its guarantee ("Customized" level): the server waits only until that write is
+  visible, which it already is unless the write was a moment ago. A tenant with no recorded write searches
+  Bounded (its writes, if any, predate the clock, by more than gracefulTime in practice). Deletes need no
+  guarantee: Milvus 2.3.5 gives them no timestamp, and a match whose face record is gone is never
+  returned (pipelines/processing.py); for up to gracefulTime such a vector can take one of the top places.
+  Without a clock, and on milvus-lite (whose Strong costs nothing), "Tenant" is Strong. "Strong",
+  "Bounded" (a new face becomes searchable within the server's gracefulTime, 5 s by default), "Session"
+  and "Eventually" are Milvus' own. See docs/scaling.md, "Milvus at scale".
   Search parameters carry the keys of every index family, so a replica that has not yet noticed the
   switch still searches the new index with the configured nprobe / ef.
 """
@@ -58,10 +76,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import re
 import threading
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -71,7 +91,7 @@ import numpy as np
 
 from serve_app.domain.errors import BackendRejected, BackendUnavailable
 from serve_app.domain.faces import GalleryEntry, GalleryMatch
-from serve_app.stores.interfaces import Leases
+from serve_app.stores.interfaces import Leases, TenantWriteClock
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +148,7 @@ _BUILD_PARAMS: dict[str, dict[str, int]] = {
 _SEARCH_PARAMS: dict[str, int] = {"nprobe": 64, "ef": 128}
 _DESCRIPTION = "facesearch face gallery of model version "  # + the version: a collection's own record
 LARGE_INDEXES = ("IVF_FLAT", "IVF_SQ8", "HNSW")
-CONSISTENCY_LEVELS = ("Strong", "Bounded", "Session", "Eventually")
+CONSISTENCY_LEVELS = ("Tenant", "Strong", "Bounded", "Session", "Eventually")
 _TRANSIENT_WORDS = (
     "connect",
     "UNAVAILABLE",
@@ -137,7 +157,23 @@ _TRANSIENT_WORDS = (
     "Retry",
     "not loaded",
     "index not found",
+    "collection not found",
+    "can't find collection",
+    "alias not found",
+    "channel not available",
 )
+# The moment of a switch when the served name points nowhere (module docstring, "Index by size"), and calls
+# still running on the collection it drops (a search waiting for its guarantee: "delegator closed during
+# wait tsafe: channel not available"): a call failing with these words is tried again within its deadline.
+_SWAP_WORDS = (
+    "collection not found",
+    "can't find collection",
+    "alias not found",
+    "not loaded",
+    "channel not",
+)
+_MARKER_TTL_S = 1.0  # how long a store trusts its last look at whether a switch is building a collection
+_BACKFILL_BATCH = 10_000  # rows copied per step of a switch (Milvus' query limit is 16,384)
 
 
 @dataclass(frozen=True)
@@ -172,13 +208,15 @@ class MilvusGalleryStore:
         timeout_s: float = 10.0,
         index_policy: IndexPolicy | None = None,
         partition_key: bool = True,
-        consistency_level: str = "Strong",
+        consistency_level: str = "Tenant",
         switch_leases: Leases | None = None,
         switch_timeout_s: float = 1800.0,
+        write_clock: TenantWriteClock | None = None,
     ) -> None:
         """index_policy None: exact FLAT search at any size. partition_key: create new collections with
         tenant_id as partition key where the server supports it (an existing collection keeps its
-        layout)."""
+        layout). write_clock: where the "Tenant" consistency level keeps each tenant's last write
+        (without one, "Tenant" searches are Strong)."""
         if dimension <= 0:
             raise ValueError("dimension must be positive")
         self._uri = uri
@@ -195,6 +233,14 @@ class MilvusGalleryStore:
         self._consistency = consistency_level
         self._leases = switch_leases
         self._switch_timeout_s = switch_timeout_s
+        self._clock = write_clock
+        # A write that looked for a collection being built before the switch created one ends within this
+        # (its delete and insert, each within its deadline, after a look at most _MARKER_TTL_S old).
+        self._write_window_s = 2 * timeout_s + _MARKER_TTL_S + 1.0
+        self._build_target: tuple[float, str | None] = (-math.inf, None)  # (when looked, collection)
+        self._generation_re = re.compile(re.escape(self._collection) + r"__g(\d+)")
+        self._switch_task: asyncio.Task[None] | None = None
+        self._switch_lock = threading.Lock()  # one switch per process at a time
         self._want_partition_key = partition_key
         self._index_type = "FLAT"  # the collection's actual index, learnt when it is prepared
         self._partitioned = False  # whether the collection's tenant_id is its partition key
@@ -207,7 +253,16 @@ class MilvusGalleryStore:
     # -- plumbing ---------------------------------------------------------------------------------------
 
     async def _run(self, operation: Callable[[Any], T]) -> T:
-        return await asyncio.to_thread(self._call, operation)
+        # The served name points nowhere for a moment at the first switch of a collection (module
+        # docstring): calls then are tried again, within their deadline, instead of failing.
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            try:
+                return await asyncio.to_thread(self._call, operation)
+            except BackendUnavailable as error:
+                if not any(word in str(error) for word in _SWAP_WORDS) or time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(0.1)
 
     def _call(self, operation: Callable[[Any], T]) -> T:
         from pymilvus.exceptions import MilvusException
@@ -260,6 +315,16 @@ class MilvusGalleryStore:
 
         timeout = self._timeout_s
         if not client.has_collection(self._collection, timeout=timeout):
+            generations = sorted(
+                (self._generation(name), name) for name in client.list_collections(timeout=timeout)
+                if self._generation(name) is not None
+            )  # fmt: skip
+            if generations:
+                # A switch stopped between dropping the first collection and naming its successor: the
+                # successor was complete before the drop (module docstring), so it is the one to serve.
+                client.create_alias(generations[-1][1], self._collection, timeout=timeout)
+                logger.warning("Milvus: %s names %s again", self._collection, generations[-1][1])
+        if not client.has_collection(self._collection, timeout=timeout):
             partitioned = self._want_partition_key and not self._is_lite(client)
             try:
                 self._create_collection(client, self._collection, partitioned=partitioned)
@@ -295,7 +360,8 @@ class MilvusGalleryStore:
         # Counted once loaded: a Milvus server answers no query on a released collection (one released to
         # save memory, say an older model version's, which a store may open again).
         self._rows_seen = self._count(client)
-        # A FLAT collection already past the threshold switches through _switch_if_due (under the lease).
+        # A FLAT collection already past the threshold switches at the next insert, or when asked
+        # (switch_index_if_due), under the lease.
 
     @staticmethod
     def _recorded_version(described: Mapping[str, Any]) -> str | None:
@@ -312,7 +378,16 @@ class MilvusGalleryStore:
         logger.error(message)
         return BackendRejected(message)
 
-    def _create_collection(self, client: Any, name: str, *, partitioned: bool) -> None:
+    def _create_collection(
+        self,
+        client: Any,
+        name: str,
+        *,
+        partitioned: bool,
+        index_type: str | None = "FLAT",
+        timeout: float | None = None,
+    ) -> None:
+        """index_type None: no index, not loaded (a probe)."""
         from pymilvus import DataType
 
         # The description records the model version: a store of another version that maps to the same
@@ -325,11 +400,16 @@ class MilvusGalleryStore:
         schema.add_field("model_version", DataType.VARCHAR, max_length=64)
         schema.add_field("created_at", DataType.INT64)
         schema.add_field("embedding", DataType.FLOAT_VECTOR, dim=self._dimension)
-        index_params = client.prepare_index_params()
-        index_params.add_index(field_name="embedding", index_type="FLAT", metric_type="IP", params={})
+        index_params = None
+        if index_type is not None:
+            index_params = client.prepare_index_params()
+            index_params.add_index(
+                field_name="embedding", index_type=index_type, metric_type="IP",
+                params=self._build_params(index_type),
+            )  # fmt: skip
         client.create_collection(
             name, schema=schema, index_params=index_params, consistency_level="Strong",
-            timeout=self._timeout_s,
+            timeout=timeout or self._timeout_s,
         )  # fmt: skip
 
     def _is_lite(self, client: Any) -> bool:
@@ -337,7 +417,7 @@ class MilvusGalleryStore:
         partition-key collection there reports no partitions (a server reports its default, 64 on 2.3.5)."""
         if self._lite is None:
             probe = f"probe_{uuid.uuid4().hex[:12]}"
-            self._create_collection(client, probe, partitioned=True)
+            self._create_collection(client, probe, partitioned=True, index_type=None)
             try:
                 described = client.describe_collection(probe, timeout=self._timeout_s)
                 self._lite = int(described.get("num_partitions") or 0) == 0
@@ -345,9 +425,9 @@ class MilvusGalleryStore:
                 client.drop_collection(probe, timeout=self._timeout_s)
         return self._lite
 
-    def _count(self, client: Any) -> int:
+    def _count(self, client: Any, name: str | None = None) -> int:
         rows = client.query(
-            self._collection, filter="", output_fields=["count(*)"], consistency_level="Strong",
+            name or self._collection, filter="", output_fields=["count(*)"], consistency_level="Strong",
             timeout=self._timeout_s,
         )  # fmt: skip
         return int(rows[0]["count(*)"]) if rows else 0
@@ -369,10 +449,14 @@ class MilvusGalleryStore:
         # 1 M (bench.vector_search, docs/scaling.md); HNSW at M 16, ef 128 kept 79 %.
         return policy.large_index or "IVF_FLAT"
 
-    def _build_index(self, client: Any, index_type: str) -> None:
+    def _build_params(self, index_type: str) -> dict[str, int | float]:
         params: dict[str, int | float] = dict(_BUILD_PARAMS.get(index_type, {}))
         if index_type != "FLAT" and self._policy is not None:
             params.update({key: value for key, value in self._policy.build_params.items() if key in params})
+        return params
+
+    def _build_index(self, client: Any, index_type: str) -> None:
+        params = self._build_params(index_type)
         index_params = client.prepare_index_params()
         index_params.add_index(field_name="embedding", index_type=index_type, metric_type="IP", params=params)
         # Building reads the whole collection: a long deadline (minutes at 10M rows), but a deadline.
@@ -393,20 +477,146 @@ class MilvusGalleryStore:
             self._index_type = str(current["index_type"])  # another replica switched it already
             return
         logger.info("Milvus collection %s: %d rows, switching FLAT -> %s", self._collection, rows, wanted)
-        if not self._is_lite(client):
-            # Seal what is still in growing segments, so the new index covers every row (a server searches
-            # growing segments by brute force until they are sealed and indexed).
-            client.flush(self._collection, timeout=self._switch_timeout_s)
-        client.release_collection(self._collection, timeout=self._timeout_s)
+        started = time.monotonic()
+        self._rebuild_beside(client, wanted, deadline=started + self._switch_timeout_s)
+        elapsed = time.monotonic() - started
+        logger.info("Milvus collection %s: switched to %s in %.0f s", self._collection, wanted, elapsed)
+
+    # -- the switch beside the served collection (module docstring, "Index by size") --------------------
+
+    def _generation(self, name: str) -> int | None:
+        """n for `{collection}__g{n}`, a collection of this store's own that a switch built; else None."""
+        match = self._generation_re.fullmatch(name)
+        return int(match.group(1)) if match else None
+
+    def _served(self, client: Any, names: Sequence[str]) -> str | None:
+        """The collection the served name stands for: itself (a collection never switched), the one its
+        alias names, or None for the moment between the first switch's drop and its alias."""
+        if self._collection in names:
+            return self._collection
+        from pymilvus.exceptions import MilvusException
+
         try:
-            client.drop_index(self._collection, "embedding", timeout=self._timeout_s)
-            try:
-                self._build_index(client, wanted)
-            except BaseException:
-                self._build_index(client, "FLAT")  # stay searchable; the failure still surfaces
-                raise
+            return str(client.describe_alias(self._collection, timeout=self._timeout_s)["collection_name"])
+        except MilvusException:
+            return None
+
+    def _being_built(self, client: Any) -> str | None:
+        """The collection a switch is building beside the served one (writes go to both), as seen at most
+        _MARKER_TTL_S ago; None on milvus-lite, which never switches."""
+        looked, target = self._build_target
+        now = time.monotonic()
+        if now - looked < _MARKER_TTL_S or self._is_lite(client):
+            return target
+        names = client.list_collections(timeout=self._timeout_s)
+        served = self._served(client, names)
+        built = [name for name in names if self._generation(name) is not None and name != served]
+        target = max(built, key=lambda name: self._generation(name) or 0) if built else None
+        self._build_target = (now, target)
+        return target
+
+    def _rebuild_beside(self, client: Any, index_type: str, deadline: float) -> None:
+        """Build the collection with `index_type` beside the served one, copy the rows, and move the served
+        name to it once its index covers them; searches and writes go on meanwhile."""
+        timeout = self._timeout_s
+        names = client.list_collections(timeout=timeout)
+        served = self._served(client, names)
+        if served is None:
+            raise BackendUnavailable(f"Milvus: {self._collection} names no collection")
+        for name in names:
+            if self._generation(name) is not None and name != served:
+                client.drop_collection(name, timeout=timeout)  # left by a switch that stopped half-way
+        target = f"{self._collection}__g{(self._generation(served) or 0) + 1}"
+        self._create_collection(
+            client, target, partitioned=self._partitioned, index_type=index_type,
+            timeout=self._switch_timeout_s,
+        )  # fmt: skip
+        self._build_target = (-math.inf, None)  # this process' writes go to both from now
+        try:
+            # Writes of every replica that looked before the target existed end before the copy reads.
+            time.sleep(self._write_window_s)
+            copied = self._backfill(client, target, deadline)
+            client.flush(target, timeout=self._switch_timeout_s)
+            self._wait_indexed(client, target, deadline)
+            # Strong counts: the query nodes hold every row written so far before searches move.
+            logger.info(
+                "Milvus: %s holds %d rows (%d copied), %s %d",
+                target, self._count(client, target), copied, served, self._count(client, served),
+            )  # fmt: skip
+        except BaseException:
+            client.drop_collection(target, timeout=timeout)
+            self._build_target = (-math.inf, None)
+            raise
+        if served == self._collection:
+            # A collection made before switches built beside it holds the served name itself. Renamed, it
+            # goes on serving the calls already under way (dropped, it answered some searches with
+            # nothing); the calls that look the name up before the alias names it are tried again (_run).
+            retired = f"{self._collection}__g0"
+            client.rename_collection(served, retired, timeout=timeout)
+            client.create_alias(target, self._collection, timeout=timeout)
+        else:
+            retired = served
+            client.alter_alias(target, self._collection, timeout=timeout)
+        self._index_type = index_type
+        time.sleep(self._write_window_s)  # searches and writes that found the old collection end
+        client.drop_collection(retired, timeout=timeout)
+        self._build_target = (-math.inf, None)
+
+    def _backfill(self, client: Any, target: str, deadline: float) -> int:
+        """Copy the served collection's rows that `target` lacks; returns how many were copied.
+
+        Writes meanwhile reach both collections, the served one first, so per face id: a row the target
+        already holds is newer than the copy and is kept; a row deleted from the served collection after the
+        copy read it is deleted from the target again by the check that follows each insert (the writer
+        deleted it from the served collection first, so the check sees it gone whenever the writer's own
+        delete from the target came before the copy's insert)."""
+        timeout = self._timeout_s
+        fields = ["tenant_id", "model_version", "created_at", "embedding"]
+        iterator = client.query_iterator(
+            self._collection, batch_size=_BACKFILL_BATCH, filter='face_id != ""', output_fields=fields,
+            timeout=timeout,
+        )  # fmt: skip
+        copied = 0
+        try:
+            while rows := iterator.next():
+                if time.monotonic() > deadline:
+                    raise BackendUnavailable(f"Milvus: copying {self._collection} to {target} timed out")
+                ids = ", ".join(milvus_string(str(row["face_id"])) for row in rows)
+                present = self._ids_in(client, target, ids)
+                missing = [{key: row[key] for key in ("face_id", *fields)} for row in rows]
+                missing = [row for row in missing if row["face_id"] not in present]
+                for start in range(0, len(missing), _BATCH):
+                    client.insert(target, missing[start : start + _BATCH], timeout=timeout)
+                if missing:
+                    copied_ids = ", ".join(milvus_string(str(row["face_id"])) for row in missing)
+                    kept = self._ids_in(client, self._collection, copied_ids)
+                    gone = [
+                        milvus_string(str(row["face_id"])) for row in missing if row["face_id"] not in kept
+                    ]
+                    if gone:
+                        client.delete(target, filter=f"face_id in [{', '.join(gone)}]", timeout=timeout)
+                    copied += len(missing) - len(gone)
         finally:
-            client.load_collection(self._collection, timeout=self._switch_timeout_s)
+            iterator.close()
+        return copied
+
+    def _ids_in(self, client: Any, name: str, quoted_ids: str) -> set[str]:
+        rows = client.query(
+            name, filter=f"face_id in [{quoted_ids}]", output_fields=["face_id"], consistency_level="Strong",
+            limit=_MAX_TOPK, timeout=self._timeout_s,
+        )  # fmt: skip
+        return {str(row["face_id"]) for row in rows}
+
+    def _wait_indexed(self, client: Any, name: str, deadline: float) -> None:
+        """Until the index covers every sealed segment (segments under the server's minimum size for an
+        index, 1,024 rows on 2.3.5, stay unindexed and are searched exactly)."""
+        while True:
+            info = client.describe_index(name, "embedding", timeout=self._timeout_s) or {}
+            if int(info.get("pending_index_rows") or 0) == 0 and str(info.get("state")) == "Finished":
+                return
+            if time.monotonic() > deadline:
+                raise BackendUnavailable(f"Milvus: building the index of {name} timed out ({info})")
+            time.sleep(1.0)
 
     def _search_params(self) -> dict[str, Any]:
         # Keys of every family: a FLAT search ignores them, and a replica that missed a switch still
@@ -431,12 +641,15 @@ class MilvusGalleryStore:
         """Whether the collection's tenant_id is its partition key."""
         return self._partitioned
 
-    def _version_collections(self, client: Any) -> list[tuple[str, bool]]:
+    def _version_collections(self, client: Any, *, building: bool = False) -> list[tuple[str, bool]]:
         """(name, loaded) of the gallery's collections: those of the other model versions, then the
-        store's own (loaded: it is prepared before any call)."""
+        store's own (loaded: it is prepared before any call), then with `building` the one a switch is
+        building beside it."""
         others = []
         for name in sorted(client.list_collections(timeout=self._timeout_s)):
-            if name == self._collection or not name.startswith(self._prefix):
+            if name == self._collection or self._generation(name) is not None:
+                continue  # the store's own: served under its name, or being built (below)
+            if not name.startswith(self._prefix):
                 continue
             if name not in self._gallery_names:
                 fields = client.describe_collection(name, timeout=self._timeout_s).get("fields", [])
@@ -447,56 +660,90 @@ class MilvusGalleryStore:
                 self._gallery_names.add(name)
             state = client.get_load_state(name, timeout=self._timeout_s).get("state")
             others.append((name, getattr(state, "name", str(state)) == "Loaded"))
-        return [*others, (self._collection, True)]
+        target = self._being_built(client) if building else None
+        return [*others, (self._collection, True), *([(target, True)] if target else [])]
 
     # -- GalleryStore -----------------------------------------------------------------------------------
 
-    async def ensure_ready(self) -> None:
-        """Connect, create the collection and index if missing, load it, and switch its index if the
-        policy calls for it. Other methods connect lazily."""
-        await self._run(lambda client: None)
-        await self._switch_if_due()
-
     async def add(self, entries: Sequence[GalleryEntry]) -> None:
-        """Adding a face_id again replaces its row (retries of an enrolment stay idempotent)."""
+        """Adding a face_id again replaces its row (retries of an enrolment stay idempotent). Returns once
+        the rows are searchable at the store's consistency level (with "Tenant", once each tenant's write
+        timestamp is recorded); a switch of index this insert makes due runs in the background."""
         rows = [self._row(entry) for entry in entries]
         if not rows:
             return
 
-        def replace(client: Any) -> None:
+        def replace(client: Any) -> dict[str, int]:
+            stamps: dict[str, int] = {}
             for start in range(0, len(rows), _BATCH):
                 batch = rows[start : start + _BATCH]
                 ids = ", ".join(milvus_string(row["face_id"]) for row in batch)
-                # Delete, then insert (see the module docstring: no upsert). Without a tenant condition:
-                # the primary key is unique across tenants.
-                client.delete(self._collection, filter=f"face_id in [{ids}]", timeout=self._timeout_s)
-                client.insert(self._collection, batch, timeout=self._timeout_s)
+                target = self._being_built(client)  # looked at per batch: a switch may start meanwhile
+                for name in (self._collection, *([target] if target else [])):
+                    # Delete, then insert (see the module docstring: no upsert). Without a tenant condition:
+                    # the primary key is unique across tenants.
+                    client.delete(name, filter=f"face_id in [{ids}]", timeout=self._timeout_s)
+                    stamp = self._insert(client, name, batch)
+                    for row in batch:
+                        stamps[row["tenant_id"]] = max(stamps.get(row["tenant_id"], 0), stamp)
             self._rows_seen += len(rows)  # a re-add replaces rows: an upper bound, recounted at the switch
+            return stamps
 
-        await self._run(replace)
-        await self._switch_if_due()
+        stamps = await self._run(replace)
+        if self._clock is not None and self._consistency == "Tenant":
+            for tenant_id, stamp in stamps.items():
+                await self._clock.advance(tenant_id, stamp)
+        self._start_switch_if_due()
 
-    async def _switch_if_due(self) -> None:
+    def _insert(self, client: Any, name: str, rows: list[dict[str, Any]]) -> int:
+        """Insert; returns the write's Milvus timestamp (0 where the server gives none). MilvusClient.insert
+        leaves the timestamp out of its answer; its connection handler returns it (MutationResult)."""
+        result = client._get_connection().insert_rows(name, rows, timeout=self._timeout_s)
+        return int(getattr(result, "timestamp", 0) or 0)
+
+    def _switch_due(self) -> bool:
         policy = self._policy
         due = policy is not None and self._rows_seen > policy.flat_max_rows
-        if not due or self._index_type != "FLAT" or self._stays_flat:
-            return
-        if self._leases is None:
-            await self._run(self._recount_and_switch)
+        return due and self._index_type == "FLAT" and not self._stays_flat
+
+    def _start_switch_if_due(self) -> None:
+        # In the background: the insert that makes it due (an enrolment holding a face's lock) returns.
+        running = self._switch_task is not None and not self._switch_task.done()
+        if self._switch_due() and not running:
+            self._switch_task = asyncio.get_running_loop().create_task(self._switch_if_due())
+
+    async def switch_index_if_due(self) -> None:
+        """Switch the index now if the policy calls for it (a switch this store started: wait for it); for a
+        job or a command, as any insert past the threshold starts it in the background."""
+        await self._run(lambda client: None)  # connected: the rows are counted
+        task = self._switch_task
+        if task is not None and not task.done():
+            await asyncio.shield(task)
+        else:
+            await self._switch_if_due()
+
+    async def _switch_if_due(self) -> None:
+        if not self._switch_due():
             return
         try:
-            # Build plus load, each bounded by switch_timeout_s: the lease outlives a live holder.
-            lease = self._leases.try_hold(f"milvus-index:{self._collection}", 2 * self._switch_timeout_s + 60)
-            async with lease as held:
+            if self._leases is None:
+                await self._run(self._recount_and_switch)
+                return
+            # The switch is bounded by switch_timeout_s (copy and build) plus the write windows it waits
+            # out and the load: the lease outlives a live holder.
+            ttl = 2 * self._switch_timeout_s + 4 * self._write_window_s + 60
+            async with self._leases.try_hold(f"milvus-index:{self._collection}", ttl) as held:
                 if held:
                     await self._run(self._recount_and_switch)
                 # Not held: another replica is switching; this one notices the new index when it sees it.
         except BackendUnavailable as error:
-            # The rows are in; the next insert tries the switch again.
+            # The rows are in and the served collection untouched; the next insert tries the switch again.
             logger.warning("index switch of %s postponed: %s", self._collection, error)
+        except Exception:
+            logger.exception("index switch of %s failed", self._collection)
 
     def _recount_and_switch(self, client: Any) -> None:
-        with self._init_lock:  # one switch per process at a time
+        with self._switch_lock:
             self._rows_seen = self._count(client)
             self._apply_policy(client, self._rows_seen)
 
@@ -529,6 +776,8 @@ class MilvusGalleryStore:
         # The tenant term alone: the collection holds this model version only (module docstring), and a
         # model_version term cost ~45 % of the filter's time (docs/scaling.md).
         expression = f"tenant_id == {milvus_string(_checked_id(tenant_id, 'tenant_id'))}"
+        tenant_clock = self._clock if self._consistency == "Tenant" else None
+        stamp = await tenant_clock.read(tenant_id) if tenant_clock is not None else 0
 
         def search(client: Any) -> list[Any]:
             result: list[Any] = client.search(
@@ -538,8 +787,8 @@ class MilvusGalleryStore:
                 limit=min(limit, _MAX_TOPK),
                 output_fields=[],  # ids and distances only, never the vectors
                 search_params=self._search_params(),
-                consistency_level=self._consistency,
                 timeout=self._timeout_s,
+                **self._consistency_args(client, stamp),
             )
             return list(result[0]) if result else []
 
@@ -552,6 +801,19 @@ class MilvusGalleryStore:
         matches.sort(key=lambda match: -match.similarity)
         return matches
 
+    def _consistency_args(self, client: Any, stamp: int) -> dict[str, Any]:
+        """A search's consistency (module docstring, "Consistency"): the configured level, or for "Tenant"
+        a wait for the tenant's last write (`stamp`), Bounded when none is recorded, and Strong without a
+        clock or on milvus-lite."""
+        if self._consistency != "Tenant":
+            return {"consistency_level": self._consistency}
+        if self._clock is None or self._is_lite(client):
+            return {"consistency_level": "Strong"}
+        if stamp:
+            # "Customized": pymilvus passes guarantee_timestamp as given, and the server waits for it.
+            return {"consistency_level": "Customized", "guarantee_timestamp": stamp}
+        return {"consistency_level": "Bounded"}
+
     async def delete(self, tenant_id: str, face_ids: Sequence[str]) -> None:
         """Removes the faces from every model version's collection (module docstring)."""
         if not face_ids:
@@ -562,7 +824,8 @@ class MilvusGalleryStore:
         def delete(client: Any) -> None:
             from pymilvus.exceptions import MilvusException
 
-            for name, loaded in self._version_collections(client):
+            # The served collection before the one a switch builds beside it (see _backfill).
+            for name, loaded in self._version_collections(client, building=True):
                 for start in range(0, len(ids), _BATCH):
                     batch = ", ".join(ids[start : start + _BATCH])
                     # The tenant condition keeps a delete from ever touching another tenant's faces; a
@@ -580,27 +843,6 @@ class MilvusGalleryStore:
                         break
 
         await self._run(delete)
-
-    async def all_face_ids(self, tenant_id: str | None = None) -> set[tuple[str, str]]:
-        if tenant_id is None:
-            expression = 'face_id != ""'
-        else:
-            expression = f"tenant_id == {milvus_string(_checked_id(tenant_id, 'tenant_id'))}"
-
-        def scan(client: Any) -> set[tuple[str, str]]:
-            found: set[tuple[str, str]] = set()
-            iterator = client.query_iterator(
-                self._collection, batch_size=1000, filter=expression, output_fields=["tenant_id"],
-                timeout=self._timeout_s,
-            )  # fmt: skip
-            try:
-                while rows := iterator.next():
-                    found.update((str(row["tenant_id"]), str(row["face_id"])) for row in rows)
-            finally:
-                iterator.close()
-            return found
-
-        return await self._run(scan)
 
     async def page_ids(
         self, tenant_id: str, after: str | None, limit: int, *, all_versions: bool = False
@@ -656,10 +898,14 @@ class MilvusGalleryStore:
 
         return await self._run(query)
 
-    async def count(self) -> int:
-        return await self._run(self._count)
-
     async def close(self) -> None:
+        """A switch in progress stops where it is (the next one starts over; the served collection stays
+        whole throughout)."""
+        task, self._switch_task = self._switch_task, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         client, self._client = self._client, None
         if client is not None:
             await asyncio.to_thread(client.close)

@@ -23,6 +23,7 @@ from serve_app.stores.redis_lease import RedisLeases
 from serve_app.stores.redis_ratelimit import RedisRateLimiter
 from serve_app.stores.redis_records import RedisFaceRecordStore
 from serve_app.stores.redis_support import connect_redis
+from serve_app.stores.redis_tenant_clock import RedisTenantClock
 from serve_app.stores.redis_transactions import RedisTransactionStore
 from serve_app.stores.result_archive import BlobResultArchive
 
@@ -88,8 +89,11 @@ def lock_policy(settings: Settings) -> LockPolicy:
 
 def gallery_store(settings: Settings, redis: Redis | None = None) -> MilvusGalleryStore:
     """The gallery (its Milvus client connects lazily, on first use). redis: the process' pool, for the
-    index switch's lease (taken once per switch, rarely); default: a small client of its own."""
+    index switch's lease (taken once per switch, rarely) and the tenants' write clock (read by every
+    search); default: a small client of its own."""
     milvus = settings.milvus
+    if redis is None:
+        redis = connect_redis(require(settings.redis.url, "REDIS_URL"), max_connections=4)
     return MilvusGalleryStore(
         require(milvus.uri, "MILVUS_URI"),
         token=milvus.token,
@@ -103,13 +107,9 @@ def gallery_store(settings: Settings, redis: Redis | None = None) -> MilvusGalle
             search_params=dict(milvus.search_params),
         ),
         consistency_level=milvus.consistency_level,
-        switch_leases=RedisLeases(
-            redis
-            if redis is not None
-            else connect_redis(require(settings.redis.url, "REDIS_URL"), max_connections=2),
-            prefix=settings.redis.key_prefix,
-        ),
+        switch_leases=RedisLeases(redis, prefix=settings.redis.key_prefix),
         switch_timeout_s=milvus.index_switch_timeout_s,
+        write_clock=RedisTenantClock(redis, prefix=settings.redis.key_prefix),
     )
 
 

@@ -19,7 +19,9 @@ from serve_app.launch.embedded import EmbeddedRedis
 from serve_app.stores.milvus_gallery import IndexPolicy, MilvusGalleryStore
 from serve_app.stores.redis_lease import RedisLeases
 from serve_app.stores.redis_support import connect_redis
+from serve_app.stores.redis_tenant_clock import RedisTenantClock
 from tests.integration.conftest import GalleryBackend
+from tests.integration.gallery_support import gallery_rows
 
 DIM = 32
 TENANTS = ("tenant-a", "tenant-b", "tenant-c")
@@ -100,7 +102,8 @@ def test_tenants_never_mix_and_index_switches_at_threshold(gallery_backend: Gall
         try:
             for tenant, vectors in per_tenant.items():
                 await store.add(entries(tenant, vectors, 0))
-            assert await store.count() == THRESHOLD
+            assert len(await gallery_rows(gallery_backend.uri, store.collection)) == THRESHOLD
+            await store.switch_index_if_due()
             assert store.index_type == "FLAT"  # at the threshold: still exact
             # milvus-lite has no partitions (the store noticed and kept the plain layout); a server's
             # collection has tenant_id as its partition key.
@@ -111,12 +114,14 @@ def test_tenants_never_mix_and_index_switches_at_threshold(gallery_backend: Gall
             bystander = MilvusGalleryStore(
                 gallery_backend.uri, collection=collection, model_version="v1", dimension=DIM
             )
-            await bystander.ensure_ready()
+            await bystander.page_ids("tenant-a", None, 1)  # connected
             assert bystander.index_type == "FLAT"
 
             await store.add(entries("tenant-a", extra, THRESHOLD // 3))
-            assert await store.count() == THRESHOLD + len(extra)
-            # Past the threshold: switched by the crossing insert (on a server).
+            rows = await gallery_rows(gallery_backend.uri, store.collection)
+            assert len(rows) == len(set(rows)) == THRESHOLD + len(extra)
+            # Past the threshold: the crossing insert started the switch (on a server); it ends.
+            await store.switch_index_if_due()
             assert store.index_type == large_index(gallery_backend)
             grown = {**per_tenant, "tenant-a": np.vstack([per_tenant["tenant-a"], extra])}
             await check_search(store, grown)
@@ -134,7 +139,7 @@ def test_tenants_never_mix_and_index_switches_at_threshold(gallery_backend: Gall
                 dimension=DIM,
                 index_policy=policy,
             )
-            await reopened.ensure_ready()
+            await reopened.page_ids("tenant-a", None, 1)  # connected
             assert reopened.index_type == large_index(gallery_backend)
             await reopened.delete(
                 "tenant-a", [f"tenant-a-{i}" for i in range(THRESHOLD // 3, len(grown["tenant-a"]))]
@@ -165,12 +170,12 @@ def test_existing_collection_without_partition_key_keeps_serving(gallery_backend
             gallery_backend.uri, collection=collection, model_version="v1", dimension=DIM
         )
         try:
-            await new.ensure_ready()
+            await new.page_ids("tenant-a", None, 1)  # connected
             assert new.partitioned is False
             assert [m.face_id for m in await new.search("tenant-a", vectors[3], 1, -1.0)] == ["old-3"]
             await new.add([GalleryEntry("new-0", "tenant-b", "v1", vectors[3], 0.0)])
             assert [m.face_id for m in await new.search("tenant-b", vectors[3], 5, -1.0)] == ["new-0"]
-            assert await new.count() == 21
+            assert len(await gallery_rows(gallery_backend.uri, new.collection)) == 21
         finally:
             await new.close()
 
@@ -191,7 +196,8 @@ def test_default_policy_is_ivf_on_a_server_and_exact_on_milvus_lite(gallery_back
         )  # fmt: skip
         try:
             await store.add([GalleryEntry(f"f{i}", "tenant-a", "v1", v, 0.0) for i, v in enumerate(vectors)])
-            assert await store.count() == 40
+            assert len(await gallery_rows(gallery_backend.uri, store.collection)) == 40
+            await store.switch_index_if_due()
             assert store.index_type == ("IVF_FLAT" if gallery_backend.server else "FLAT")
             assert [m.face_id for m in await store.search("tenant-a", vectors[7], 1, -1.0)] == ["f7"]
         finally:
@@ -239,17 +245,19 @@ def test_index_switch_waits_for_the_cluster_wide_lease(
             async with leases.try_hold(name, 60) as held:
                 assert held
                 await first.add(entries[:25])  # past the threshold, but another replica "is switching"
+                await first.switch_index_if_due()  # the switch the insert started found the lease taken
                 assert first.index_type == "FLAT"
                 async with leases.try_hold(name, 60) as again:
                     assert not again  # the lease is exclusive
             # Both replicas cross again at once: one takes the lease and switches, the other carries on.
             await asyncio.gather(first.add(entries[25:40]), second.add(entries[40:]))
-            if "FLAT" in (first.index_type, second.index_type):
-                await first.add(entries[:1])  # the replica that lost the race notices on its next insert
-                await second.add(entries[:1])
+            await asyncio.gather(first.switch_index_if_due(), second.switch_index_if_due())
+            for replica in replicas:
+                await replica.switch_index_if_due()  # the replica that lost the race notices now
             expected = large_index(gallery_backend)
             assert (first.index_type, second.index_type) == (expected, expected)
-            assert await first.count() == len(vectors)
+            rows = await gallery_rows(gallery_backend.uri, first.collection)
+            assert sorted(rows) == sorted(("tenant-a", face_id) for face_id in ids)
             for replica in replicas:
                 for row in (3, 30, 55):
                     matches = await replica.search("tenant-a", vectors[row], 5, -1.0)
@@ -257,6 +265,160 @@ def test_index_switch_waits_for_the_cluster_wide_lease(
         finally:
             for replica in replicas:
                 await replica.close()
+            await redis.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_index_switch_serves_every_search_and_keeps_every_enrolment(
+    milvus_server: str, redis_url: str
+) -> None:
+    """On a Milvus server (milvus-lite never switches), a switch runs while two replicas search and enrol
+    and remove faces: no search fails or misses, each enrolled face is found at once by the other replica
+    (read-your-enrolment across replicas, through the tenants' write clock), the enrolment that crosses the
+    threshold returns without waiting for the switch, and at the end the served collection holds every
+    enrolled face exactly once and none of the removed ones, under its new index."""
+    rng = np.random.default_rng(77)
+    centres = rng.standard_normal((40, DIM)).astype(np.float32)
+    threshold = 3000
+    policy = IndexPolicy(
+        flat_max_rows=threshold, large_index="IVF_FLAT", build_params={"nlist": NLIST},
+        search_params={"nprobe": NLIST},  # all lists probed: the switch must not change any result
+    )  # fmt: skip
+    collection = fresh("switch")
+    base = clustered(rng, threshold, centres)
+    base_faces = {f"b{i}": (TENANTS[i % 3], base[i]) for i in range(threshold)}
+
+    async def scenario() -> None:
+        redis = connect_redis(redis_url)
+        leases = RedisLeases(redis, prefix=f"{collection}:")
+        clock = RedisTenantClock(redis, prefix=f"{collection}:")
+        writer, reader = (
+            MilvusGalleryStore(
+                milvus_server,
+                collection=collection,
+                model_version="v1",
+                dimension=DIM,
+                index_policy=policy,
+                switch_leases=leases,
+                write_clock=clock,
+            )
+            for _ in range(2)
+        )
+        failures: list[str] = []
+        enrolled: dict[str, tuple[str, np.ndarray]] = {}
+        removed: set[str] = set()
+        switching = asyncio.Event()
+        stop = asyncio.Event()
+
+        async def search_load() -> int:
+            done = 0
+            ids = list(base_faces)
+            while not stop.is_set():
+                face_id = ids[int(rng.integers(len(ids)))]
+                tenant, vector = base_faces[face_id]
+                try:
+                    matches = await reader.search(tenant, vector, 3, -1.0)
+                except Exception as error:  # every failure is the finding
+                    failures.append(f"search {face_id}: {error!r}")
+                    continue
+                if not matches or matches[0].face_id != face_id:
+                    failures.append(f"search {face_id}: {matches[:1]}")
+                done += 1
+            return done
+
+        async def enrol_load() -> int:
+            number = 0
+            while not stop.is_set() or number < 3:
+                tenant = TENANTS[number % 3]
+                face_id = f"e{number}"
+                vector = clustered(rng, 1, centres)[0]
+                stores = (writer, reader) if number % 2 == 0 else (reader, writer)
+                try:
+                    await stores[0].add([GalleryEntry(face_id, tenant, "v1", vector, time.time())])
+                    enrolled[face_id] = (tenant, vector)
+                    switching.set()
+                    matches = await stores[1].search(tenant, vector, 1, -1.0)
+                    if [m.face_id for m in matches] != [face_id]:
+                        failures.append(f"enrolled {face_id} not found at once: {matches}")
+                    if number % 5 == 4:
+                        gone = f"e{number - 3}"
+                        await stores[1].delete(enrolled[gone][0], [gone])
+                        removed.add(gone)
+                except Exception as error:
+                    failures.append(f"enrol {face_id}: {error!r}")
+                number += 1
+            return number
+
+        try:
+            for start in range(0, threshold, 1000):
+                chunk = list(base_faces.items())[start : start + 1000]
+                await writer.add([GalleryEntry(f, t, "v1", v, 0.0) for f, (t, v) in chunk])
+            assert writer.index_type == "FLAT"
+            loads = [asyncio.create_task(search_load()), asyncio.create_task(enrol_load())]
+            await switching.wait()  # the first enrolment crossed the threshold: the switch runs meanwhile
+            assert writer.index_type == "FLAT"
+            await writer.switch_index_if_due()
+            assert writer.index_type == "IVF_FLAT"
+            await asyncio.sleep(2)  # searches and enrolments after the switch too
+            stop.set()
+            searches, enrolments = await asyncio.gather(*loads)
+            assert failures == [], failures
+            assert searches > 0 and enrolments >= 3
+            await reader.switch_index_if_due()  # finds the switch done
+            assert reader.index_type == "IVF_FLAT"
+            rows = await gallery_rows(milvus_server, writer.collection)
+            assert len(rows) == len(set(rows))  # no face twice
+            expected = {(t, f) for f, (t, _) in base_faces.items()}
+            expected |= {(t, f) for f, (t, _) in enrolled.items() if f not in removed}
+            assert set(rows) == expected
+        finally:
+            for store in (writer, reader):
+                await store.close()
+            await redis.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_an_enrolled_face_is_found_at_once_by_another_replica(
+    gallery_backend: GalleryBackend, redis_url: str
+) -> None:
+    """The documented contract (a face is searchable once its enrolment is answered) at the "Tenant"
+    consistency level: each enrolment is searched for at once by a second replica, many times in a row, and
+    is found; the search waited for the tenant's write timestamp in Redis, not for Strong (on a server;
+    milvus-lite searches Strong)."""
+    rng = np.random.default_rng(41)
+    centres = rng.standard_normal((8, DIM)).astype(np.float32)
+    collection = fresh("ryw")
+
+    async def scenario() -> None:
+        redis = connect_redis(redis_url)
+        clock = RedisTenantClock(redis, prefix=f"{collection}:")
+        writer, reader = (
+            MilvusGalleryStore(
+                gallery_backend.uri,
+                collection=collection,
+                model_version="v1",
+                dimension=DIM,
+                write_clock=clock,
+            )
+            for _ in range(2)
+        )
+        try:
+            stamps = []
+            for number in range(40):
+                tenant = TENANTS[number % 2]
+                vector = clustered(rng, 1, centres)[0]
+                await writer.add([GalleryEntry(f"f{number}", tenant, "v1", vector, time.time())])
+                matches = await reader.search(tenant, vector, 1, -1.0)
+                assert [m.face_id for m in matches] == [f"f{number}"], number
+                stamps.append(await clock.read(tenant))
+            if gallery_backend.server:
+                # Each tenant's clock moved with each of its writes.
+                assert all(later > earlier > 0 for earlier, later in zip(stamps, stamps[2:], strict=False))
+        finally:
+            for store in (writer, reader):
+                await store.close()
             await redis.aclose()
 
     asyncio.run(scenario())

@@ -16,6 +16,7 @@ from serve_app.launch.embedded import EmbeddedServices
 from serve_app.stores.redis_audit import RedisAuditLog
 from serve_app.stores.redis_records import RedisFaceRecordStore
 from serve_app.stores.redis_support import connect_redis
+from serve_app.stores.redis_tenant_clock import RedisTenantClock
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +114,32 @@ def test_audit_stream_pages_newest_first(redis_url: str) -> None:
             assert third[0] == AuditEntry(1000.0, "cl_x", AuditAction.ERASE_REFERENCE, 0, "hash-0")
             with pytest.raises(ValueError):
                 await audit.page("tenant-a", "not-an-id", 2)
+        finally:
+            await redis.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_tenant_write_clock_only_moves_forward(redis_url: str) -> None:
+    """The clock keeps each tenant's greatest timestamp, compared exactly at Milvus' 64-bit magnitudes
+    (past the 2^53 a Lua number holds), whatever order concurrent writers report them in."""
+
+    async def scenario() -> None:
+        redis = connect_redis(redis_url)
+        clock = RedisTenantClock(redis, prefix=f"t{uuid.uuid4().hex[:8]}:")
+        try:
+            assert await clock.read("tenant-a") == 0
+            base = 470768440331206661  # a Milvus hybrid timestamp of 2026
+            await clock.advance("tenant-a", base + 1)
+            await clock.advance("tenant-a", base)  # one above the other only in the last digit
+            assert await clock.read("tenant-a") == base + 1
+            await clock.advance("tenant-a", 99)  # shorter: smaller
+            await clock.advance("tenant-a", 0)  # none given: ignored
+            assert await clock.read("tenant-a") == base + 1
+            stamps = [base + step for step in range(2, 60)]
+            await asyncio.gather(*(clock.advance("tenant-b", stamp) for stamp in reversed(stamps)))
+            assert await clock.read("tenant-b") == stamps[-1]
+            assert await clock.read("tenant-a") == base + 1  # tenants apart
         finally:
             await redis.aclose()
 

@@ -155,10 +155,6 @@ class HookedGallery:
         await self._hook("delete")
         await self._inner.delete(tenant_id, face_ids)
 
-    async def all_face_ids(self, tenant_id: str | None = None) -> set[tuple[str, str]]:
-        await self._hook("vectors")
-        return await self._inner.all_face_ids(tenant_id)
-
     async def page_ids(
         self, tenant_id: str, after: str | None, limit: int, *, all_versions: bool = False
     ) -> tuple[list[str], str | None]:
@@ -169,9 +165,6 @@ class HookedGallery:
         self, tenant_id: str, face_ids: Sequence[str], *, all_versions: bool = False
     ) -> set[str]:
         return await self._inner.present(tenant_id, face_ids, all_versions=all_versions)
-
-    async def count(self) -> int:
-        return await self._inner.count()
 
 
 async def kill() -> None:

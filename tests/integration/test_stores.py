@@ -49,6 +49,7 @@ from serve_app.stores.redis_records import RedisFaceRecordStore
 from serve_app.stores.redis_support import connect_redis, text, text_map
 from serve_app.stores.redis_transactions import RedisTransactionStore
 from tests.integration.conftest import GalleryBackend
+from tests.integration.gallery_support import gallery_faces, gallery_rows
 
 T = TypeVar("T")
 PEPPER = "integration-test-pepper-0123456789"
@@ -668,7 +669,7 @@ def test_gallery_add_search_isolation_delete(gallery_backend: GalleryBackend) ->
 
             await store.add(a[1:] + b)
             await store.add(a[1:2])  # re-adding replaces, no duplicate
-            assert await store.count() == 4
+            assert len(await gallery_rows(gallery_backend.uri, store.collection)) == 4
 
             probe = a[1].embedding + rng.standard_normal(128).astype(np.float32) * 0.01
             probe /= np.linalg.norm(probe)
@@ -682,14 +683,16 @@ def test_gallery_add_search_isolation_delete(gallery_backend: GalleryBackend) ->
             assert await store.search("tenant-c", probe, 10, -1.0) == []
             assert await store.search("tenant-a", probe, 0, -1.0) == []
 
-            assert await store.all_face_ids("tenant-b") == {("tenant-b", b[0].face_id)}
-            assert await store.all_face_ids() == {(e.tenant_id, e.face_id) for e in a + b}
+            faces = await gallery_faces(gallery_backend.uri, store.collection, "tenant-b")
+            assert faces == {("tenant-b", b[0].face_id)}
+            faces = await gallery_faces(gallery_backend.uri, store.collection)
+            assert faces == {(e.tenant_id, e.face_id) for e in a + b}
 
             await store.delete("tenant-b", [a[0].face_id])  # another tenant's id: nothing happens
-            assert await store.count() == 4
+            assert len(await gallery_rows(gallery_backend.uri, store.collection)) == 4
             await store.delete("tenant-a", [a[0].face_id, a[2].face_id])
             assert [m.face_id for m in await store.search("tenant-a", probe, 10, -1.0)] == [a[1].face_id]
-            assert await store.count() == 2
+            assert len(await gallery_rows(gallery_backend.uri, store.collection)) == 2
 
             with pytest.raises(ValueError):
                 await store.search('tenant-a" or tenant_id != "x', probe, 10, -1.0)
@@ -754,7 +757,7 @@ def test_versions_whose_names_share_a_collection_are_refused(gallery_backend: Ga
                 assert other.collection == first.collection
                 try:
                     with pytest.raises(BackendRejected, match=held):
-                        await other.ensure_ready()
+                        await other.page_ids("tenant-a", None, 1)  # opening the collection
                     with pytest.raises(BackendRejected, match=held):
                         await other.search("tenant-a", probe, 10, -1.0)
                     with pytest.raises(BackendRejected, match=held):
@@ -763,7 +766,7 @@ def test_versions_whose_names_share_a_collection_are_refused(gallery_backend: Ga
                     await other.close()
             # The first version's store serves its collection as before, and nothing else joined it.
             assert [m.face_id for m in await first.search("tenant-a", probe, 10, -1.0)] == ["face-first"]
-            assert await first.count() == 1
+            assert len(await gallery_rows(gallery_backend.uri, first.collection)) == 1
         finally:
             await first.close()
 
@@ -781,9 +784,9 @@ def test_two_versions_sharing_a_name_opened_at_once_leave_one_owner(gallery_back
         stores = [gallery(gallery_backend, collection=base, model_version=v, dimension=16) for v in versions]
         try:
             outcomes = await asyncio.gather(
-                *(store.ensure_ready() for store in stores), return_exceptions=True
-            )
-            won = [i for i, outcome in enumerate(outcomes) if outcome is None]
+                *(store.page_ids("tenant-a", None, 1) for store in stores), return_exceptions=True
+            )  # each opens the collection
+            won = [i for i, outcome in enumerate(outcomes) if not isinstance(outcome, BaseException)]
             refused = [outcome for outcome in outcomes if isinstance(outcome, BackendRejected)]
             assert len(won) == 1 and len(refused) == 1, outcomes
             owner, other = stores[won[0]], stores[1 - won[0]]
@@ -868,10 +871,11 @@ def test_readding_keeps_every_row_in_its_tenants_partition(gallery_backend: Gall
             await store.add(entries)
             again = [GalleryEntry(e.face_id, e.tenant_id, "v1", unit(rng, 16), 1.0) for e in entries]
             await store.add(again)
-            assert await store.count() == len(entries)
+            assert len(await gallery_rows(gallery_backend.uri, store.collection)) == len(entries)
             for tenant in tenants:
                 mine = {e.face_id for e in again if e.tenant_id == tenant}
-                assert await store.all_face_ids(tenant) == {(tenant, face_id) for face_id in mine}
+                faces = await gallery_faces(gallery_backend.uri, store.collection, tenant)
+                assert faces == {(tenant, face_id) for face_id in mine}
             for entry in again[:24]:  # each re-added vector is found by its tenant's search, at cosine 1
                 matches = await store.search(entry.tenant_id, entry.embedding, 1, -1.0)
                 assert [m.face_id for m in matches] == [entry.face_id]
@@ -915,8 +919,8 @@ def test_milvus_unreachable_fails_fast() -> None:
         )
         for call in (
             lambda: store.search("tenant-a", np.zeros(128, np.float32), 5, 1.0),
-            lambda: store.count(),
-            lambda: store.all_face_ids(),
+            lambda: store.page_ids("tenant-a", None, 5),
+            lambda: store.present("tenant-a", ["face-1"]),
         ):
             with pytest.raises(BackendUnavailable, match="Milvus is unavailable"):
                 await settle(call())

@@ -78,10 +78,6 @@ class FakeGalleryStore:
         for face_id in face_ids:
             self._items.pop((tenant_id, face_id), None)
 
-    async def all_face_ids(self, tenant_id: str | None = None) -> set[tuple[str, str]]:
-        await self._faults.check("gallery.all_face_ids")
-        return {key for key in self._items if tenant_id is None or key[0] == tenant_id}
-
     async def page_ids(
         self, tenant_id: str, after: str | None, limit: int, *, all_versions: bool = False
     ) -> tuple[list[str], str | None]:
@@ -96,11 +92,11 @@ class FakeGalleryStore:
         await self._faults.check("gallery.present")
         return {face_id for face_id in face_ids if (tenant_id, face_id) in self._items}
 
-    async def count(self) -> int:
-        await self._faults.check("gallery.count")
-        return len(self._items)
-
     # Test helpers.
+    def pairs(self, tenant_id: str | None = None) -> set[tuple[str, str]]:
+        """(tenant_id, face_id) of every vector (of the tenant's)."""
+        return {key for key in self._items if tenant_id is None or key[0] == tenant_id}
+
     def face_ids(self, tenant_id: str | None = None) -> set[str]:
         return {face_id for tenant, face_id in self._items if tenant_id is None or tenant == tenant_id}
 
