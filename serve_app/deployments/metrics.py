@@ -97,14 +97,15 @@ class ReconcileMetrics:
 
 
 class WebhookMetrics:
-    """Webhook deliveries settled by this replica (summed over replicas by Prometheus), and the queue as Redis
-    holds it (every replica exports the same values; the dashboard takes their max)."""
+    """Completion webhooks as Redis holds them, so every replica exports the same cluster-wide values (the
+    dashboard takes their max) and the totals survive replica restarts: attempts settled by outcome, events
+    waiting, and the age of the oldest one."""
 
     def __init__(self) -> None:
-        self._attempts = metrics.Counter(
-            "facesearch_webhook_deliveries",
-            "Webhook delivery attempts by outcome: delivered (2xx), retried (any other answer, a refusal, a "
-            "timeout or a connection error, with an attempt left), dead (given up)",
+        self._totals = metrics.Gauge(
+            "facesearch_webhook_events",
+            "Webhook delivery attempts settled, by outcome: delivered (2xx), retried (any other answer, a "
+            "refusal, a timeout or a connection error, with time left), dead (given up); totals",
             tag_keys=("outcome",),
         )
         self._pending = metrics.Gauge(
@@ -112,12 +113,11 @@ class WebhookMetrics:
         )
         self._oldest = metrics.Gauge(
             "facesearch_webhook_queue_age_seconds",
-            "Age of the oldest webhook event not yet delivered or dead",
+            "Age of the oldest webhook event not yet delivered or dead (0: none waiting)",
         )
 
-    def observe_outcome(self, outcome: str) -> None:
-        self._attempts.inc(1.0, tags={"outcome": outcome})
-
-    def observe_queue(self, pending: int, oldest_age_s: float) -> None:
+    def observe_queue(self, pending: int, oldest_age_s: float, totals: dict[str, int]) -> None:
         self._pending.set(pending)
         self._oldest.set(oldest_age_s)
+        for outcome, count in totals.items():
+            self._totals.set(count, tags={"outcome": outcome})

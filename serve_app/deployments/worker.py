@@ -68,7 +68,6 @@ class TransactionWorker:
             self._stores.redis.transactions,
             self._stores.redis.records,
             self._stores.archive,
-            self._webhook_metrics.observe_outcome,
         )
         self._backlog = 0.0  # last queue depth read for the autoscaler
         self._stop = asyncio.Event()
@@ -103,7 +102,7 @@ class TransactionWorker:
                     await self._stores.redis.transactions.count_by_state(),
                 )
                 webhooks = await self._webhooks.queue_stats()
-                self._webhook_metrics.observe_queue(webhooks.pending, webhooks.oldest_age_s)
+                self._webhook_metrics.observe_queue(webhooks.pending, webhooks.oldest_age_s, webhooks.totals)
                 last_pass = await self._reconciler.state.last_completed()
                 if last_pass is not None:
                     self._reconcile_metrics.observe_last_pass(last_pass)

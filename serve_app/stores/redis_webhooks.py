@@ -12,6 +12,8 @@ Keys (prefix default "fs:"):
                            lease into the future, so an event whose worker died is due again then.
   {p}sys:wh-born           sorted set event_id -> since: the age of the oldest undelivered event
   {p}wh-log:{tenant}       list of the tenant's last delivery attempts (JSON), newest first
+  {p}sys:wh-counts         hash outcome (delivered, retried, dead) -> settled attempts, cluster-wide totals
+                           (the metrics: exported by every worker, so they survive replica restarts)
 
 The event is written by the script that makes a transaction final (redis_transactions._FINALIZE), in the
 same atomic step, when the tenant's hash has a url: once a transaction is final its event exists, and no
@@ -61,10 +63,11 @@ end
 return out
 """
 
-# Settle one attempt. KEYS: due, born, event hash, the tenant's log. ARGV: event id, the attempt number the
-# claim returned, outcome (retry, delivered, dead), next due ms (retry), the log record, log length, the
-# retention of a settled event and of the log (s), the outcome in words. The attempt is always logged; the
-# event changes only while it is still this claim's (no later claim after a lapsed lease took it over).
+# Settle one attempt. KEYS: due, born, event hash, the tenant's log, the totals. ARGV: event id, the
+# attempt number the claim returned, outcome (retry, delivered, dead), next due ms (retry), the log record,
+# log length, the retention of a settled event and of the log (s), the outcome in words. The attempt is
+# always logged; the event changes (and is counted) only while it is still this claim's (no later claim
+# after a lapsed lease took it over).
 _SETTLE = """
 redis.call('LPUSH', KEYS[4], ARGV[5])
 redis.call('LTRIM', KEYS[4], 0, tonumber(ARGV[6]) - 1)
@@ -73,7 +76,9 @@ if redis.call('HGET', KEYS[3], 'attempts') ~= ARGV[2] then return 0 end
 if ARGV[3] == 'retry' then
   redis.call('HSET', KEYS[3], 'state', 'pending', 'last', ARGV[8])
   redis.call('ZADD', KEYS[1], ARGV[4], ARGV[1])
+  redis.call('HINCRBY', KEYS[5], 'retried', 1)
 else
+  redis.call('HINCRBY', KEYS[5], ARGV[3], 1)
   redis.call('HSET', KEYS[3], 'state', ARGV[3], 'last', ARGV[8])
   redis.call('EXPIRE', KEYS[3], ARGV[7])
   redis.call('ZREM', KEYS[1], ARGV[1])
@@ -182,10 +187,14 @@ class DeliveryAttempt:
         return cls(**json.loads(raw))
 
 
+OUTCOMES = ("delivered", "retried", "dead")
+
+
 @dataclass(frozen=True)
 class QueueStats:
     pending: int
     oldest_age_s: float  # of the oldest undelivered event (0: none)
+    totals: dict[str, int]  # settled attempts by outcome, since the deployment began
 
 
 def _ms(seconds: float) -> int:
@@ -209,6 +218,7 @@ class RedisWebhookStore:
         self._retention_s = event_retention_s
         self._due = f"{prefix}sys:wh-due"
         self._born = f"{prefix}sys:wh-born"
+        self._counts = f"{prefix}sys:wh-counts"
         self._claim = redis.register_script(_CLAIM)
         self._settle = redis.register_script(_SETTLE)
         self._redeliver = redis.register_script(_REDELIVER)
@@ -333,7 +343,13 @@ class RedisWebhookStore:
         words = f"{record.status_code}" if record.status_code is not None else (record.error or "")
         async with redis_errors():
             settled = await self._settle(
-                keys=[self._due, self._born, self._event_key(event.event_id), self._log_key(event.tenant)],
+                keys=[
+                    self._due,
+                    self._born,
+                    self._event_key(event.event_id),
+                    self._log_key(event.tenant),
+                    self._counts,
+                ],
                 args=[
                     event.event_id,
                     event.attempt,
@@ -372,6 +388,8 @@ class RedisWebhookStore:
         async with redis_errors(), self._redis.pipeline(transaction=False) as pipe:
             pipe.zcard(self._born)
             pipe.zrange(self._born, 0, 0, withscores=True)
-            count, oldest = await pipe.execute()
+            pipe.hgetall(self._counts)
+            count, oldest, counts = await pipe.execute()
         age = max(0.0, now - float(oldest[0][1]) / 1000) if oldest else 0.0
-        return QueueStats(int(count), age)
+        totals = dict.fromkeys(OUTCOMES, 0) | {key: int(value) for key, value in text_map(counts).items()}
+        return QueueStats(int(count), age, totals)
