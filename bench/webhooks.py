@@ -3,13 +3,13 @@ receiver in another process, both on 127.0.0.1.
 
     python -m bench.webhooks [--events 2000] [--blocks 5]
 
-Rows: making a transaction final (the store's complete(), one script) for a tenant without a webhook and
-for one with a webhook (the same script also queues the event); delivering one event (claim in batches of
-16, read the endpoint and the secret, read and render the transaction as /result would, sign, POST,
-settle). Columns: the median over blocks of the wall time per transaction, of this process' CPU per
-transaction (the receiver's and redis-server's CPU are not counted), and the Redis commands per transaction
-from INFO commandstats: the client's round trips, the commands its scripts run on the server, and each
-command's calls per transaction.
+Rows: making a transaction final (the store's complete(), one script) as it was before webhooks, for a
+tenant without a webhook and for one with a webhook (the same script also queues the event); delivering
+one event (claim in batches of 16, read the endpoint and the secret, read and render the transaction as
+/result would, sign, POST, settle). Columns: the median over blocks of the wall time per transaction, of
+this process' CPU per transaction (the receiver's and redis-server's CPU are not counted), and the Redis
+commands per transaction from INFO commandstats: the client's round trips, the commands its scripts run on
+the server, and each command's calls per transaction.
 """
 
 from __future__ import annotations
@@ -121,6 +121,7 @@ async def run(url: str, receiver: str, events: int, blocks: int) -> None:
     sent = count_round_trips(redis)
     prefix = "bw:"
     transactions = RedisTransactionStore(redis, prefix=prefix)
+    before_webhooks = RedisTransactionStore(redis, prefix=prefix, webhooks=False)  # the script as it was
     settings = Settings(auth=AuthSettings(secret_key=KEY))
     cipher = SecretCipher(settings.auth.key_ring().for_purpose("webhook-secret"))
     store = RedisWebhookStore(redis, cipher, prefix=prefix)
@@ -135,20 +136,24 @@ async def run(url: str, receiver: str, events: int, blocks: int) -> None:
     deliverer = WebhookDeliverer(store, load, result_renderer(settings), policy)
     outcome = AgeEstimationOutcome(age=34, under_18=0, under_21=0)
     results: dict[str, list[tuple[float, float, int, dict[str, int]]]] = {
+        "before": [],
         "without": [],
         "with": [],
         "deliver": [],
     }
     for _ in range(blocks):
-        for label, tenant in (("without", TENANT_WITHOUT), ("with", TENANT_WITH)):
+        for label, tenant in (("before", TENANT_WITH), ("without", TENANT_WITHOUT), ("with", TENANT_WITH)):
+            finishing = before_webhooks if label == "before" else transactions
             created = [tx_of(tenant) for _ in range(events)]
             for tx in created:  # created outside the measurement: only the final write is timed
                 await transactions.create_and_enqueue(tx)
                 await transactions.mark_processing(tx.reference_id)
 
-            async def finish(batch: list[Transaction] = created) -> None:
+            async def finish(
+                batch: list[Transaction] = created, store: RedisTransactionStore = finishing
+            ) -> None:
                 for tx in batch:
-                    await transactions.complete(tx.reference_id, outcome)
+                    await store.complete(tx.reference_id, outcome)
 
             results[label].append(await measure(redis, sent, events, finish))
 
@@ -160,6 +165,7 @@ async def run(url: str, receiver: str, events: int, blocks: int) -> None:
     assert (await store.stats(time.time())).totals["delivered"] == events * blocks
     rows = []
     names = {
+        "before": "final write, before webhooks (no check)",
         "without": "final write, tenant without a webhook",
         "with": "final write, tenant with a webhook (event queued)",
         "deliver": "delivering the event (claim, render, sign, POST, settle)",

@@ -20,7 +20,9 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningService
     # A hot window of seconds: results move to the result archive while the session runs, so every test
     # that reads a result later reads it from there (test_result_storage_service checks it directly).
     archiving = {"FACESEARCH_RESULT_HOT_WINDOW_S": "3", "FACESEARCH_RESULT_ARCHIVE_EVERY_S": "1"}
-    with running_service(data_dir, env=archiving) as running:
+    # The webhook test's receiver listens on 127.0.0.1, which only an operator's explicit allowance admits.
+    webhooks = {"FACESEARCH_WEBHOOK_ALLOWED_HOSTS": "127.0.0.1"}
+    with running_service(data_dir, env=archiving | webhooks) as running:
         yield running
 
 

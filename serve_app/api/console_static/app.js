@@ -143,6 +143,7 @@
     }
     for (const panel of document.querySelectorAll("[data-panel]")) show(panel, panel.dataset.panel === name);
     if (name === "gallery") loadGallery(null);
+    if (name === "webhook") loadWebhook();
   }
 
   // ---- photo: drop or choose ----
@@ -296,6 +297,60 @@
     }
   }
 
+  // ---- webhook: the endpoint and its recent deliveries ----
+
+  async function loadWebhook() {
+    setError($("webhook-error"), "");
+    try {
+      const { body } = await api("/webhook");
+      const hook = body.result.data;
+      $("webhook-url").textContent = hook.url || "none (nothing is sent)";
+      $("webhook-rotated").textContent = hook.secret_rotated_at || "never";
+    } catch (error) {
+      if (error.status !== 404) {
+        setError($("webhook-error"), error.message);
+        return;
+      }
+      $("webhook-url").textContent = "No webhook registered.";
+      $("webhook-rotated").textContent = "";
+    }
+    try {
+      const { body } = await api("/webhook/deliveries?limit=50");
+      const deliveries = body.result.data.deliveries;
+      $("deliveries").tBodies[0].replaceChildren(...deliveries.map(deliveryRow));
+      $("webhook-status").textContent = deliveries.length ? "" : "No delivery attempted yet.";
+    } catch (error) {
+      setError($("webhook-error"), error.message);
+    }
+  }
+
+  function deliveryRow(delivery) {
+    const again = el("button", { type: "button", text: "Redeliver", className: "redeliver" });
+    again.addEventListener("click", () => redeliver(delivery.event_id, again));
+    const answer = delivery.status_code !== null ? String(delivery.status_code) : delivery.error || "";
+    return el("tr", { className: `delivery ${delivery.outcome}` }, [
+      el("td", { text: delivery.at }),
+      el("td", {}, [el("code", { text: delivery.reference_id })]),
+      el("td", { text: String(delivery.attempt) }),
+      el("td", { className: "outcome", text: delivery.outcome }),
+      el("td", { text: answer }),
+      el("td", { text: String(Math.round(delivery.duration_ms)) }),
+      el("td", {}, delivery.outcome === "retrying" ? [] : [again]),
+    ]);
+  }
+
+  async function redeliver(eventId, button) {
+    button.disabled = true;
+    try {
+      const { body } = await api(`/webhook/events/${encodeURIComponent(eventId)}/redeliver`, { method: "POST" });
+      $("webhook-status").textContent = body.result.data.queued ? "Queued again." : "Already queued.";
+    } catch (error) {
+      setError($("webhook-error"), error.message);
+    } finally {
+      button.disabled = false;
+    }
+  }
+
   async function loadGallery(cursor) {
     setError($("gallery-error"), "");
     $("gallery-status").textContent = "Loading…";
@@ -409,6 +464,7 @@
     $("erase-form").addEventListener("submit", askErase);
     $("erase-yes").addEventListener("click", erase);
     $("erase-no").addEventListener("click", () => show($("erase-confirm"), false));
+    $("webhook-refresh").addEventListener("click", loadWebhook);
     onModeChange();
   }
 
