@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -23,9 +24,14 @@ from serve_app.api.app import create_app
 from serve_app.api.results import result_response
 from serve_app.api.tokens import TokenSigner
 from serve_app.domain.errors import ValidationFailed
+from serve_app.domain.keys import WEBHOOK_SECRETS, KeyRing
 from serve_app.domain.outcomes import AgeEstimationOutcome
+from serve_app.domain.webhooks import secret_key
+from serve_app.launch.cli import _clients, _webhooks
 from serve_app.launch.embedded import EmbeddedRedis
 from serve_app.settings import AuthSettings, MilvusSettings, RedisSettings, Settings, WebhookSettings
+from serve_app.stores.redis_support import connect_redis, text
+from serve_app.stores.redis_webhooks import RedisWebhookStore, SecretCipher, SecretUnreadable
 from serve_app.wiring.api import build_api_services
 from serve_app.wiring.stores import redis_stores
 from tests.integration.webhook_support import (
@@ -385,5 +391,70 @@ def test_the_client_manages_its_webhook_through_the_api(redis_url: str, tmp_path
             paths = (await http.get("/openapi.json")).json()["paths"]
             assert {"/webhook", "/webhook/secret", "/webhook/deliveries"} <= set(paths)
         assert info.client_id
+
+    run(scenario)
+
+
+def test_a_key_ring_rotation_keeps_secrets_readable_and_reseals_them(redis_url: str) -> None:
+    async def scenario() -> None:
+        prefix = f"k{uuid.uuid4().hex[:8]}:"
+        redis = connect_redis(redis_url)
+
+        def store(ring: str) -> RedisWebhookStore:
+            keys = KeyRing.parse(ring).for_purpose(WEBHOOK_SECRETS)
+            return RedisWebhookStore(redis, SecretCipher(keys), prefix=prefix)
+
+        old, new = "k1:" + "a" * 32, "k2:" + "b" * 32
+        secret = await store(old).set_url(TENANT, "https://hooks.example.com/")
+        assert secret is not None
+        url, keys = await store(f"{new},{old}").signing_keys(TENANT)  # k2 current, k1 still verifies
+        assert url == "https://hooks.example.com/" and keys == [secret_key(secret)]
+        sealed = text(await redis.hget(f"{prefix}webhook:{TENANT}", "secret"))
+        assert sealed.startswith("k2:")  # moved to the current key when it was read
+        assert (await store(new).signing_keys(TENANT))[1] == [secret_key(secret)]  # k1 may go now
+        with pytest.raises(SecretUnreadable):  # another tenant's hash does not open it
+            await redis.hset(
+                f"{prefix}webhook:cl_other", mapping={"url": "https://x.example/", "secret": sealed}
+            )
+            await store(new).signing_keys("cl_other")
+        await redis.aclose()
+
+    run(scenario)
+
+
+def test_the_cli_registers_shows_rotates_and_lists(
+    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    settings = Settings(
+        data_dir=tmp_path,
+        redis=RedisSettings(url=redis_url, key_prefix=f"c{uuid.uuid4().hex[:6]}:"),
+        milvus=MilvusSettings(uri=None, token=""),
+        auth=AuthSettings(secret_key=SecretStr(KEY)),
+        webhooks=WebhookSettings(allowed_hosts=("127.0.0.1",)),
+    )
+
+    async def scenario() -> None:
+        info, _ = await redis_stores(settings).clients.create("cli-webhooks")
+        client = info.client_id
+        assert await _clients(settings, "update", client, webhook_url="https://10.0.0.5/") == 2
+        assert "private" in capsys.readouterr().err
+        assert await _clients(settings, "update", client, webhook_url="http://127.0.0.1:9/in") == 0
+        shown = json.loads(capsys.readouterr().out)
+        assert shown["webhook_url"] == "http://127.0.0.1:9/in" and shown["webhook_secret"].startswith(
+            "whsec_"
+        )
+        assert await _webhooks(settings, "show", client, None, 20) == 0
+        assert "whsec_" not in capsys.readouterr().out
+        assert await _webhooks(settings, "rotate-secret", client, None, 20) == 0
+        rotated = json.loads(capsys.readouterr().out)["webhook_secret"]
+        assert rotated.startswith("whsec_") and rotated != shown["webhook_secret"]
+        assert await _webhooks(settings, "deliveries", client, None, 20) == 0
+        assert capsys.readouterr().out == ""
+        assert await _webhooks(settings, "redeliver", client, "evt_" + "0" * 32, 20) == 1
+        assert await _clients(settings, "update", client, webhook_url="none") == 0
+        assert json.loads(capsys.readouterr().out)["webhook_url"] is None
+        assert await _clients(settings, "update", "cl_nobody", webhook_url="none") == 1
+        assert await _clients(settings, "revoke", client) == 0
+        assert await _webhooks(settings, "show", client, None, 20) == 1  # revoking removed it
 
     run(scenario)
