@@ -9,6 +9,8 @@ Keys (prefix default "fs:"):
   {p}sys:tx-consumers         sorted set consumer -> last heartbeat (Redis server time, ms)
   {p}sys:tx-finished          stream of {"ref": reference_id}, one entry per transaction that became final
                               while results are archived (archive_after_s): the result archiver's to-do list
+  {p}wh-event:..., {p}sys:wh-*  a completion webhook's event and its queue entries, written by the final
+                              state's script when the tenant has an endpoint (layout: redis_webhooks.py)
   {p}idem:{digest}            hash {fp, ref, replays}: the request fingerprint and the reference_id of the
                               transaction an Idempotency-Key created (domain/idempotency.py); expires with
                               the retention (idempotency_ttl_s)
