@@ -458,3 +458,74 @@ def test_the_cli_registers_shows_rotates_and_lists(
         assert await _webhooks(settings, "show", client, None, 20) == 1  # revoking removed it
 
     run(scenario)
+
+
+def _self_signed(tmp_path: Path, host: str) -> tuple[Path, Path]:
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(host)]), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    return cert_path, key_path
+
+
+def test_https_names_the_host_in_sni_and_checks_the_certificate(redis_url: str, tmp_path: Path) -> None:
+    """The delivery connects to the pinned address, names the URL's host in TLS (SNI) and refuses a
+    certificate no trusted authority signed: the attempt fails before any request is sent."""
+    import ssl
+
+    cert, key = _self_signed(tmp_path, "hooks.test")
+    server_names: list[str | None] = []
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    context.sni_callback = lambda _sock, name, _ctx: server_names.append(name)
+
+    async def scenario() -> None:
+        requests: list[bytes] = []
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            requests.append(await reader.read(100))
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=context)
+        port = server.sockets[0].getsockname()[1]
+
+        async def resolve(host: str, _port: int) -> list[str]:
+            assert host == "hooks.test"
+            return ["127.0.0.1"]
+
+        allowed = policy(allowed_hosts=frozenset({"hooks.test"}))
+        hooks = pipeline(redis_url, f"s{uuid.uuid4().hex[:8]}:", allowed)
+        await hooks.store.set_url(TENANT, f"https://hooks.test:{port}/in")
+        ref = reference()
+        await hooks.finish(ref)
+        await hooks.deliverer(allowed, resolve=resolve).run_once()
+        (attempt,) = await hooks.service.deliveries(TENANT, 10)
+        assert attempt.outcome == "retrying" and "CERTIFICATE_VERIFY_FAILED" in (attempt.error or "")
+        assert server_names == ["hooks.test"] and requests in ([], [b""])
+        server.close()
+
+    run(scenario)
