@@ -406,7 +406,12 @@ class RetentionSettings(_Group):
 class Settings(_Group):
     model_config = SettingsConfigDict(env_prefix="FACESEARCH_")
 
-    data_dir: Path = Field(Path("var"), description="embedded Redis/Milvus data, blobs, development secret")
+    data_dir: Path = Field(
+        default_factory=lambda: default_data_dir(),
+        description="embedded Redis/Milvus data, blobs, development secret: the same from any working "
+        "directory, so the service and every `facesearch` command find one another",
+        json_schema_extra={"shown_default": "`$XDG_DATA_HOME/facesearch`, else `~/.local/share/facesearch`"},
+    )
     blob_dir: Path | None = Field(
         None, description="proof images (a shared volume on a cluster); unset: `$FACESEARCH_DATA_DIR/blobs`"
     )
@@ -494,6 +499,14 @@ class Settings(_Group):
         )
 
 
+def default_data_dir() -> Path:
+    """The per-user home of the service's state (XDG base directories): one place whatever the working
+    directory, so `facesearch clients ...` run anywhere reaches the store `facesearch start` serves."""
+    base = os.environ.get("XDG_DATA_HOME") or ""
+    root = Path(base) if Path(base).is_absolute() else Path.home() / ".local" / "share"
+    return root / "facesearch"
+
+
 def wait_replicas(settings: Settings) -> int:
     """Replicas a new transaction must reach (see RedisSettings.wait_replicas)."""
     if settings.redis.wait_replicas is not None:
@@ -502,10 +515,14 @@ def wait_replicas(settings: Settings) -> int:
     return 1 if scheme.endswith("+sentinel") else 0
 
 
+def development_secret_path(data_dir: Path) -> Path:
+    return data_dir / "secret_key"
+
+
 def _development_secret(data_dir: Path) -> str:
     """Outside production, generate a signing key once and keep it in the data dir (mode 0600), so tokens
     and proof URLs stay valid across restarts without anyone configuring a secret."""
-    path = data_dir / "secret_key"
+    path = development_secret_path(data_dir)
     if path.is_file():
         return path.read_text().strip()
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -528,6 +545,9 @@ def _variable(model: type[BaseSettings], name: str, field: FieldInfo) -> str:
 
 
 def _default(field: FieldInfo) -> str:
+    extra = field.json_schema_extra
+    if isinstance(extra, dict) and isinstance(extra.get("shown_default"), str):
+        return str(extra["shown_default"])  # a default that depends on the machine, said in words
     value = field.get_default(call_default_factory=True)  # an empty JSON object, not "PydanticUndefined"
     if value is None or value == {} or value == () or value == "" or value == SecretStr(""):
         return "unset"

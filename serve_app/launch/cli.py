@@ -55,8 +55,21 @@ def _stop_on_signals(stopped: threading.Event) -> None:
 
 
 def start(config: Path, host: str, port: int | None, metrics_port: int) -> int:
+    """`facesearch start`: runs until SIGINT or SIGTERM (the handlers it had are put back on return)."""
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     stopped = threading.Event()
     _stop_on_signals(stopped)
+    try:
+        return _serve_until_stopped(config, host, port, metrics_port, stopped)
+    finally:
+        for signum, handler in previous.items():
+            if handler is not None:  # None: a handler not set from Python, which cannot be put back
+                signal.signal(signum, handler)
+
+
+def _serve_until_stopped(
+    config: Path, host: str, port: int | None, metrics_port: int, stopped: threading.Event
+) -> int:
     os.environ.update(LOOPBACK_ENV)
     import ray
     from ray import serve
@@ -64,7 +77,7 @@ def start(config: Path, host: str, port: int | None, metrics_port: int) -> int:
     from models.analyzer import ModelConfig
     from models.errors import WeightFileError
     from serve_app.launch.deploy_config import direct_ingress_env, load_serve_config
-    from serve_app.launch.embedded import free_port, start_embedded_backends
+    from serve_app.launch.embedded import free_port, start_embedded_services
     from serve_app.launch.topology import bind_app
 
     # Validate the config before anything starts: a typo in it stops here, naming the key.
@@ -95,7 +108,7 @@ def start(config: Path, host: str, port: int | None, metrics_port: int) -> int:
         # The ingress replica serves the public port itself; Serve's proxy still starts, on a spare port.
         proxy_port = free_port()
         os.environ.update(direct_ingress_env(public_port))
-    settings = start_embedded_backends(Settings.from_env())
+    settings, embedded_servers = start_embedded_services(Settings.from_env())
     # Replicas read their settings from the environment they inherit from this process (never from bind
     # arguments, which Ray keeps in its stored state): name the servers just started there.
     os.environ.update(settings.backend_environment())
@@ -112,7 +125,11 @@ def start(config: Path, host: str, port: int | None, metrics_port: int) -> int:
         serve.run(bind_app(serve_config.args), name="facesearch", route_prefix="/")
     if not stopped.is_set():
         print(f"facesearch is serving on http://{host}:{public_port}", flush=True)
-    stopped.wait()
+    # The embedded servers are this launcher's children: one that dies is started again in place (same
+    # port, same data), as Serve restarts a replica, instead of leaving the service down until someone acts.
+    while not stopped.wait(EMBEDDED_CHECK_INTERVAL_S):
+        if embedded_servers is not None:
+            embedded_servers.revive()
     serve.shutdown()  # type: ignore[no-untyped-call]  # untyped in Ray
     ray.shutdown()
     # Exit only once the port is free, so that a supervisor restarting at once finds it free.
@@ -122,6 +139,8 @@ def start(config: Path, host: str, port: int | None, metrics_port: int) -> int:
 
 # How long `facesearch start` waits for its port to be let go of, before starting and before it exits.
 PORT_RELEASE_WAIT_S = 30.0
+# How often `facesearch start` checks that the embedded servers it started are alive.
+EMBEDDED_CHECK_INTERVAL_S = 1.0
 
 
 def wait_until_port_free(host: str, port: int, timeout_s: float) -> bool:

@@ -193,6 +193,22 @@ class _EmbeddedServer:
         finally:
             os.close(lock_fd)  # also drops a shared lock taken above
 
+    def revive(self) -> bool:
+        """Start the server again, on the same port and data, if this object started it and it has died
+        (killed, out of memory, a crash): True when it did. Clients reconnect to the same address."""
+        if not self._owned or self._pid is None:
+            return False
+        if self._process is not None:
+            self._process.poll()  # reap a dead child, so it is not left a zombie
+        if _pid_alive(self._pid):
+            return False
+        logger.warning(
+            "embedded %s pid %d on port %s died; starting it again", self.name, self._pid, self._port
+        )
+        self._pid, self._process, self._owned = None, None, False
+        self.start()
+        return True
+
     def stop(self) -> None:
         """Stop the server if this object started it: SIGTERM, then SIGKILL after stop_timeout_s."""
         if not self._owned or self._pid is None:
@@ -511,6 +527,10 @@ class EmbeddedServices:
             self.stop()
             raise
 
+    def revive(self) -> list[str]:
+        """Start again, in place, each server this object started that has died; their names."""
+        return [server.name for server in (self.redis, self.milvus) if server is not None and server.revive()]
+
     def attach(self) -> None:
         """Attach to both live servers (NoRunningServer if one is not running); starts nothing."""
         for server in (self.redis, self.milvus):
@@ -549,16 +569,23 @@ def start_embedded_backends(settings: Settings) -> Settings:
     Started servers belong to the calling process and stop when it exits; a live server left by an earlier
     run in the same data dir is reused.
     """
+    return start_embedded_services(settings)[0]
+
+
+def start_embedded_services(settings: Settings) -> tuple[Settings, EmbeddedServices | None]:
+    """start_embedded_backends, also returning the servers it started or attached to (None when the
+    settings name both backends), for a launcher that keeps them alive (EmbeddedServices.revive)."""
     if settings.redis.url and settings.milvus.uri:
-        return settings
+        return settings, None
     services = EmbeddedServices(
         settings.data_dir, redis=settings.redis.url is None, milvus=settings.milvus.uri is None
     )
     services.start()
     atexit.register(services.stop)
-    return settings.with_backends(
+    started = settings.with_backends(
         settings.redis.url or services.redis_url, settings.milvus.uri or services.milvus_uri
     )
+    return started, services
 
 
 def attach_running_backends(settings: Settings, *, milvus: bool = True) -> Settings:

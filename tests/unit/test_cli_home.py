@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -70,3 +71,29 @@ def test_a_command_uses_the_running_services_redis_and_key(
         listed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
         assert [client["client_id"] for client in listed] == [made["client_id"]]
         assert service.redis is not None and service.redis.is_running()  # attached to, left running
+
+
+def test_a_dead_embedded_server_is_started_again_in_place(tmp_path: Path) -> None:
+    """What `facesearch start` does every second for the servers it started: one that died (here
+    SIGKILLed) comes back on the same port with the same password, so every client's URL still works."""
+    import signal
+
+    import redis
+
+    with EmbeddedServices(tmp_path, milvus=False) as services:
+        assert services.redis is not None
+        url, pid = services.redis.url, services.redis.pid
+        assert services.revive() == []  # alive: nothing to do
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        # As the launcher's loop: checked until the kernel has ended the process, then started again.
+        deadline = time.monotonic() + 30
+        while not (revived := services.revive()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert revived == ["redis"]
+        assert services.redis.url == url and services.redis.pid != pid
+        client = redis.Redis.from_url(url)
+        try:
+            assert client.ping()
+        finally:
+            client.close()

@@ -25,7 +25,7 @@ def test_a_missing_model_stops_start_before_ray_or_the_servers(
         pytest.fail("started before the model files were checked")
 
     monkeypatch.setattr(ray, "init", must_not_run)
-    monkeypatch.setattr(embedded, "start_embedded_backends", must_not_run)
+    monkeypatch.setattr(embedded, "start_embedded_services", must_not_run)
     assert cli.start(CONFIG, "127.0.0.1", None, 0) == 2
     message = capsys.readouterr().err
     assert "facesearch models fetch" in message and "FACESEARCH_MODELS_DIR" in message
@@ -57,7 +57,7 @@ def test_the_configs_serve_switches_are_set_before_the_servers_and_ray_start(
         seen.update(os.environ)
         raise _Stop
 
-    monkeypatch.setattr(embedded, "start_embedded_backends", first_thing_started)
+    monkeypatch.setattr(embedded, "start_embedded_services", first_thing_started)
     monkeypatch.setattr(ray, "init", first_thing_started)
     with pytest.raises(_Stop):
         cli.start(CONFIG, "127.0.0.1", 18123, 0)

@@ -58,6 +58,7 @@ class Launcher:
             and key != DIRECT_INGRESS_FLAG
         }
         self.environment = {**environment, **loopback_ray_env(ray_tmp), "XDG_DATA_HOME": str(work / "xdg")}
+        self.data_dir = work / "xdg" / "facesearch"  # the per-user default under that XDG_DATA_HOME
         self.process: subprocess.Popen[bytes] | None = None
         self._offset = 0
 
@@ -137,6 +138,25 @@ def _token(base_url: str, client: dict[str, str]) -> str:
     return str(response.json()["result"]["data"]["token"])
 
 
+def _embedded_servers_killed_come_back(launcher: Launcher, client: dict[str, str], photo: Path) -> None:
+    """SIGKILL the embedded redis-server and milvus-lite that the launcher started: it starts them again in
+    place, and the service serves again without anyone acting."""
+    data_dir = launcher.data_dir
+    for name in ("redis", "milvus"):
+        state = json.loads((data_dir / name / f"{name}.json").read_text())
+        os.kill(int(state["pid"]), signal.SIGKILL)
+
+    def searches_again() -> bool:
+        try:
+            _search_completes(launcher.base_url, _token(launcher.base_url, client), photo)
+        except (AssertionError, httpx.HTTPError):
+            return False
+        return True
+
+    poll(searches_again, START_TIMEOUT_S, "a face search after the embedded servers were killed", 1.0)
+    print("RESTARTS embedded Redis and Milvus SIGKILLed: started again by the launcher, serving")
+
+
 def test_ten_restarts_at_once_each_end_serving(
     launcher: Launcher, tmp_path: Path, faces_dev: FacesDev
 ) -> None:
@@ -153,6 +173,8 @@ def test_ten_restarts_at_once_each_end_serving(
             client = json.loads(made.stdout)
             assert not any(elsewhere.iterdir()), "the CLI wrote a store of its own in its working directory"
         _search_completes(launcher.base_url, _token(launcher.base_url, client), photo)
+        if cycle == 1:
+            _embedded_servers_killed_come_back(launcher, client, photo)
         close_connections_from_the_server(launcher.base_url, 3)
         assert launcher.stop() == 0, launcher.tail()
         print(f"RESTARTS cycle {cycle}/{CYCLES}: served, stopped")
