@@ -21,11 +21,11 @@ from serve_app.launch.embedded import free_port
 def restartable(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """Ray Serve's start_asgi_http_server as the ingress replica calls it once the protection is in;
     Ray's modules are put back afterwards."""
-    monkeypatch.setattr(http_util, "socket", http_util.socket)
-    monkeypatch.setattr(replica, "start_asgi_http_server", replica.start_asgi_http_server)
+    monkeypatch.setattr(http_util, "socket", vars(http_util)["socket"])
+    monkeypatch.setattr(replica, "start_asgi_http_server", vars(replica)["start_asgi_http_server"])
     assert make_direct_ingress_restartable()
     assert make_direct_ingress_restartable()  # a second replica constructor in the process: no double wrap
-    start = replica.start_asgi_http_server  # type: ignore[attr-defined]
+    start = vars(replica)["start_asgi_http_server"]
     assert start.__wrapped__ is not None and not hasattr(start.__wrapped__, "__wrapped__")
     yield start
 
@@ -58,8 +58,11 @@ def _plain_bind_refused(port: int) -> bool:
 async def _serve_once(start: Any, port: int) -> None:
     loop = asyncio.get_running_loop()
     task, server = await start(_app, HTTPOptions(host="127.0.0.1", port=port), event_loop=loop)
-    while not server.started:
+    for _ in range(3000):  # uvicorn's Server says it has started only through this flag
+        if server.started:
+            break
         await asyncio.sleep(0.01)
+    assert server.started
     answer = await asyncio.to_thread(_get_and_leave_closed_by_server, port)
     assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"ok")
     server.should_exit = True
@@ -92,7 +95,7 @@ def test_a_port_still_listened_on_is_waited_for(restartable: Any) -> None:
 
 
 def test_a_port_kept_by_another_program_still_fails_as_serve_expects(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(http_util, "socket", http_util.socket)
+    monkeypatch.setattr(http_util, "socket", vars(http_util)["socket"])
     assert make_direct_ingress_restartable()
     start = waiting_for_the_port(http_util.start_asgi_http_server, wait_s=0.3, interval_s=0.05)
     port = free_port()
@@ -119,6 +122,9 @@ def test_other_failures_are_not_retried() -> None:
         calls += 1
         raise RuntimeError("not a bind failure")
 
+    async def main() -> None:
+        await waiting_for_the_port(broken, wait_s=5)()
+
     with pytest.raises(RuntimeError, match="not a bind failure"):
-        asyncio.run(waiting_for_the_port(broken, wait_s=5)())
+        asyncio.run(main())
     assert calls == 1
