@@ -137,6 +137,8 @@ def test_reindex_reembeds_from_proofs_and_resumes(
     monkeypatch.setenv("FACESEARCH_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.setenv("FACESEARCH_BLOB_DIR", str(blob_dir))
     monkeypatch.setenv("FACESEARCH_KEY_PREFIX", prefix)
+    # As an operator points the command at a running service: its backends and its key.
+    monkeypatch.setenv("FACESEARCH_SECRET_KEY", "reindex-test-secret-0123456789abcdef")
     assert cli_main(["reindex", "--tenant", "tenant-a", "--state", str(state_path)]) == 0
     captured = capsys.readouterr()
     report = json.loads(captured.out.strip().splitlines()[-1])

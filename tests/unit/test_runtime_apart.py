@@ -73,7 +73,11 @@ def no_subprocess(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize(
     ("stage", "missing"),
-    [("embedder", "dlib_resnet_v1"), ("age", "faceres_deep"), ("analysis", "dlib_resnet_v1")],
+    [
+        ("embedder", "dlib_resnet_v1"),
+        ("age", "faceres_deep"),
+        ("analysis", "yunet_2023mar_int8bq"),
+    ],  # analysis detects first,
 )
 @pytest.mark.usefixtures("no_subprocess")
 def test_a_runner_without_its_converted_model_fails_at_start_naming_the_command(
