@@ -76,8 +76,8 @@ def no_subprocess(monkeypatch: pytest.MonkeyPatch) -> None:
     [
         ("embedder", "dlib_resnet_v1"),
         ("age", "faceres_deep"),
-        ("analysis", "yunet_2023mar_int8bq"),
-    ],  # analysis detects first,
+        ("analysis", "yunet_2023mar_int8bq"),  # analysis loads its detector first
+    ],
 )
 @pytest.mark.usefixtures("no_subprocess")
 def test_a_runner_without_its_converted_model_fails_at_start_naming_the_command(
