@@ -1,11 +1,12 @@
-"""Helpers shared by the benchmarks: dev photos read the way the service decodes uploads, a scratch Redis."""
+"""Helpers shared by the benchmarks: dev photos read the way the service decodes uploads, tables, timings."""
 
 from __future__ import annotations
 
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
+import resource
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -30,16 +31,31 @@ def format_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-@contextmanager
-def scratch_redis() -> Iterator[str]:
-    """A redis-server of the project's own (127.0.0.1) in a temporary directory for one benchmark; its URL."""
-    # Imported here: the model-only benchmarks (bench.gpu) run where the service's packages are not installed.
-    from serve_app.launch.embedded import EmbeddedRedis
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100) of the values; NaN for none."""
+    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
-    with tempfile.TemporaryDirectory(prefix="facesearch-bench-redis-") as directory:
-        server = EmbeddedRedis(Path(directory) / "redis")
-        server.start()
-        try:
-            yield server.url
-        finally:
-            server.stop()
+
+_Arg = TypeVar("_Arg")
+
+
+def best_seconds(run: Callable[[_Arg], object], argument: _Arg, repeats: int) -> float:
+    """Minimum wall time of `repeats` calls, after one untimed call (first-shape allocations)."""
+    run(argument)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run(argument)
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def tile_to(chips: np.ndarray, count: int) -> np.ndarray:
+    """`count` chips taken cyclically from the real ones, so every batch holds real faces."""
+    return chips[np.arange(count) % len(chips)]
+
+
+def process_cpu_seconds() -> float:
+    """User + system CPU of this process so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime

@@ -1,15 +1,15 @@
 """The model layer on a GPU: where each model's nodes run, faces/s per model at batch 1, 16 and 64, and the
 whole in-process pipeline on CUDA next to the same machine's CPU.
 
-    python -m bench.gpu [--faces-dev DIR] [--repeats R]
-    python -m bench.gpu --detector-only [--cpu]     (YuNet: the shipped file against the converted one)
+    python -m bench.gpu [--faces-dev DIR] [--repeats R] [--pipeline-batches 8 32] [--cpu-threads 1]
 
 Needs onnxruntime-gpu with its CUDA and cuDNN libraries on the library path. It imports only the model layer
 (no Ray, Redis or Milvus), so it runs where just those packages are installed. Node placement comes from
 ONNX Runtime's own profiler: a session that lists CUDA can still run some nodes on the CPU (shape ops, or
 operators CUDA has no kernel for), and those show up there. Model timings are the best of R runs after one
 untimed run per batch size (cuDNN picks its algorithms on the first run of each shape); the pipeline is
-timed over two passes, the first paying for every new batch shape, as a fresh replica does.
+timed over two passes with the shipped ModelConfig (fixed run sizes: SessionOptions.gpu_run_size), the
+first paying for every new batch shape, as a fresh replica does, next to the same photos on the CPU.
 """
 
 from __future__ import annotations
@@ -22,33 +22,19 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
-from functools import partial
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import onnxruntime as ort
 
-from bench.common import format_table, load_image
-from bench.speed import best_seconds, process_cpu_seconds, tile_to
+from bench.common import best_seconds, format_table, load_image, process_cpu_seconds, tile_to
 from models.analyzer import FaceAnalyzer, ModelConfig, load_face_analyzer
 from models.arrays import to_rgb
-from models.detector import DetectorOptions, FaceDetector
-from models.sessions import SessionOptions
-from models.weights import converted, resolve
+from models.weights import converted
 from tests.faces_dev import load_faces_dev
 
 BATCH_SIZES = (1, 16, 64)
 STAGES = ("detect", "align+crop", "embed", "age")
-SearchMode = Literal["exhaustive", "heuristic", "default"]
-# cuDNN's algorithm search and the rows of every run (images for the detector, faces for the others; 0: each
-# batch at its own size), against each other: see SessionOptions.gpu_run_size.
-PIPELINE_VARIANTS: tuple[tuple[SearchMode, int, int], ...] = (
-    ("exhaustive", 0, 0),
-    ("default", 0, 0),
-    ("exhaustive", 8, 16),
-    ("exhaustive", 8, 64),
-)
 CUDA_FIRST = ("CUDAExecutionProvider", "CPUExecutionProvider")
 _DTYPES = {"tensor(float)": np.float32, "tensor(uint8)": np.uint8}
 
@@ -107,56 +93,6 @@ def placement_rows(config: ModelConfig) -> list[list[str]]:
                 ", ".join(f"{p}: {n}" for p, n in other.items()) or "0",
             ]
         )
-    return rows
-
-
-def _detector(model: Path, options: SessionOptions) -> FaceDetector:
-    return FaceDetector(model, DetectorOptions(), options)
-
-
-def detector_rows(
-    images: Sequence[np.ndarray], repeats: int, providers: Sequence[str], run_sizes: Sequence[int]
-) -> list[list[str]]:
-    """YuNet before (the shipped file, made runnable at load) and after (model_build.yunet's file), through
-    FaceDetector.detect_prepared (host copy, inference, decoding); on CUDA also bare session.run on the
-    converted file with other CUDA provider options, to show what is left to the graph itself."""
-    files = {
-        "shipped int8bq file, made runnable at load": resolve("yunet_2023mar_int8bq"),
-        "converted fp32 file, uint8 input": converted("yunet_2023mar_int8bq"),
-    }
-    on_gpu = providers[0] != "CPUExecutionProvider"
-    rows = []
-    for run_size in run_sizes if on_gpu else (0,):
-        options = SessionOptions(
-            intra_op_threads=1, provider_preference=tuple(providers), gpu_run_size=run_size
-        )
-        for label, path in files.items():
-            detector = _detector(path, options)
-            prepared = [detector.prepare(image) for image in images]
-            runs = f", runs of {run_size}" if on_gpu else ""
-            for batch in BATCH_SIZES:
-                argument = [prepared[i % len(prepared)] for i in range(batch)]
-                seconds = best_seconds(detector.detect_prepared, argument, repeats)
-                rows.append([f"{label}{runs}", str(batch), f"{batch / seconds:.0f}", f"{1000 * seconds:.2f}"])
-    if on_gpu:
-        model = converted("yunet_2023mar_int8bq").read_bytes()
-        exhaustive = {"cudnn_conv_algo_search": "EXHAUSTIVE"}
-        for label, cuda_options in (
-            ("bare session.run, converted, exhaustive search", exhaustive),
-            ("bare session.run, converted, NHWC", {**exhaustive, "prefer_nhwc": "1"}),
-            ("bare session.run, converted, TF32 off", {**exhaustive, "use_tf32": "0"}),
-        ):
-            try:
-                session = ort.InferenceSession(
-                    model, providers=[("CUDAExecutionProvider", cuda_options), "CPUExecutionProvider"]
-                )
-            except Exception as error:  # an option this build does not know
-                rows.append([label, "-", f"failed: {error}"[:60], "-"])
-                continue
-            for batch in (8, 16, 64):
-                feed = {"input": np.zeros((batch, 3, 640, 640), dtype=np.uint8)}
-                seconds = best_seconds(partial(session.run, None), feed, repeats)
-                rows.append([label, str(batch), f"{batch / seconds:.0f}", f"{1000 * seconds:.2f}"])
     return rows
 
 
@@ -242,18 +178,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per model and batch size")
     parser.add_argument("--pipeline-batches", type=int, nargs="+", default=[8, 32], help="images per call")
     parser.add_argument("--cpu-threads", type=int, default=1, help="intra-op threads of the CPU pipeline")
-    parser.add_argument("--detector-only", action="store_true", help="only YuNet, before and after")
-    parser.add_argument("--cpu", action="store_true", help="with --detector-only: on the CPU, one thread")
-    parser.add_argument("--run-sizes", type=int, nargs="+", default=[8, 16], help="GPU detector run sizes")
     args = parser.parse_args(argv)
 
     images = [to_rgb(load_image(item.path)) for item in load_faces_dev(args.faces_dev).images]
-    if args.detector_only:
-        providers = ("CPUExecutionProvider",) if args.cpu else CUDA_FIRST
-        print(f"# YuNet 640 px on {providers[0]} (best of {args.repeats}; dev photos cycled)")
-        rows = detector_rows(images, args.repeats, providers, args.run_sizes)
-        print(format_table(["detector", "images/call", "images/s", "ms per call"], rows))
-        return 0
     print(f"# Machine\nGPU: {nvidia_smi('name,driver_version,memory.total')}\nCPU cores: {os.cpu_count()}")
     print(f"onnxruntime {ort.__version__}, available providers: {ort.get_available_providers()}")
 
@@ -275,18 +202,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     )
 
-    rows, batches = [], args.pipeline_batches
-    for search, image_run, face_run in PIPELINE_VARIANTS:
-        variant = ModelConfig(
-            provider_preference=CUDA_FIRST,
-            cuda_conv_algo_search=search,
-            gpu_image_run_size=image_run,
-            gpu_face_run_size=face_run,
-        )
-        runs = f"runs of {image_run} images / {face_run} faces" if image_run else "runs of any size"
-        rows += pipeline_rows(
-            f"CUDA, {search} conv search, {runs}", load_face_analyzer(variant), images, batches
-        )
+    batches = args.pipeline_batches
+    runs = f"runs of {config.gpu_image_run_size} images / {config.gpu_face_run_size} faces"
+    rows = pipeline_rows(
+        f"CUDA, {config.cuda_conv_algo_search} conv search, {runs}", analyzer, images, batches
+    )
     cpu = load_face_analyzer(
         ModelConfig(intra_op_threads=args.cpu_threads, provider_preference=("CPUExecutionProvider",))
     )

@@ -1,7 +1,7 @@
 """The service on a GPU box: candidate layouts against the box's own in-process ceiling and its CPU-only
 service, in one run, printing one table.
 
-    python -m bench.gpu_service [--layouts cpu-only gpu-workers-4 gpu-workers-8 split]
+    python -m bench.gpu_service [--layouts cpu-only gpu-workers-4 split] [--rehearse-on-cpu]
                                 [--concurrency 8 64 128] [--ceiling-seconds 20] [--deadline-s 480]
 
 Rows:
@@ -12,11 +12,12 @@ Rows:
   searches/s, share of the CUDA ceiling, p50/p95/p99 latency and failures.
 
 Layouts (see LAYOUTS): the CPU-only in_process service sized to the box; in_process workers that each own
-CUDA sessions and a fraction of the GPU (4 replicas: config/serve-gpu.yaml as shipped; and 8); the split
-topology (a deployment per model: config/serve-gpu-cluster.yaml). The service runs on 127.0.0.1 with
-embedded Redis and milvus-lite (tests.service_harness), on a Ray node declared with every core and the one
-GPU. Layouts are measured in the order given; one that would start after --deadline-s is skipped and says
-so, so the run fits a fixed machine lease.
+CUDA sessions and a quarter of the GPU (config/serve-gpu.yaml as shipped); the split topology (a deployment
+per model: config/serve-gpu-cluster.yaml). The service runs on 127.0.0.1 with embedded Redis and
+milvus-lite (tests.service_harness), on a Ray node declared with every core and the one GPU. Layouts are
+measured in the order given; one that would start after --deadline-s is skipped and says so, so the run
+fits a fixed machine lease. --rehearse-on-cpu runs the same layouts with CPU sessions and no GPU share: a
+dry run on a machine without one.
 
 Needs onnxruntime-gpu with CUDA and cuDNN on the library path (bench/gpu_service.sh sets that up from a
 kit on such a machine).
@@ -35,12 +36,12 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import format_table
-from bench.service import ServiceCalls, client_pool, percentile, run_phase
+from bench.common import format_table, percentile
+from bench.service import ServiceCalls, client_pool, run_phase
 from serve_app.launch.deploy_config import load_serve_config
 from tests.faces_dev import REPO_ROOT, load_faces_dev
 
@@ -56,26 +57,21 @@ class Layout:
     description: str
     args: Callable[[int], dict[str, Any]]  # build_app args for a box of this many cores
     direct_ingress: bool = True
-    env: dict[str, str] = field(default_factory=dict)
 
 
-def _in_process(providers: list[str], workers: int, cpus: float, gpus: float, batches: int) -> dict[str, Any]:
-    """config/serve.yaml's in_process application with a fixed number of worker replicas."""
-    shipped = load_serve_config(SHIPPED_CPU).args
-    options = dict(shipped.deployment_options)
-    actor: dict[str, float] = {"num_cpus": cpus}
-    if gpus:
-        actor["num_gpus"] = gpus
+def _cpu_only(cores: int) -> dict[str, Any]:
+    """config/serve.yaml's in_process application sized to the box: a worker per 2 cores (2 batches each)."""
+    options = dict(load_serve_config(SHIPPED_CPU).args.deployment_options)
     options["TransactionWorker"] = {
-        "num_replicas": workers,
+        "num_replicas": max(1, (cores - 2) // 2),
         "max_ongoing_requests": 16,
-        "ray_actor_options": actor,
+        "ray_actor_options": {"num_cpus": min(2.0, cores - 1.0)},
         "user_config": {"concurrency": 64},
     }
     return {
         "topology": "in_process",
-        "model_config": {"intra_op_threads": 1, "provider_preference": providers},
-        "concurrent_batches": batches,
+        "model_config": {"intra_op_threads": 1, "provider_preference": CPU_ONLY},
+        "concurrent_batches": 2,
         "deployment_options": options,
     }
 
@@ -89,16 +85,9 @@ def _split(cores: int) -> dict[str, Any]:
 
 
 LAYOUTS: dict[str, Layout] = {
-    "cpu-only": Layout(
-        "in_process, CPU only: workers x 2 cores, 2 batches each",
-        lambda cores: _in_process(CPU_ONLY, max(1, (cores - 2) // 2), min(2.0, cores - 1.0), 0, 2),
-    ),
+    "cpu-only": Layout("in_process, CPU only: workers x 2 cores, 2 batches each", _cpu_only),
     "gpu-workers-4": Layout(
         "in_process, 4 workers x (3 cores, 1/4 GPU), 3 batches each (config/serve-gpu.yaml)", _shipped_gpu
-    ),
-    "gpu-workers-8": Layout(
-        "in_process, 8 workers x (1.5 cores, 1/8 GPU), 2 batches each",
-        lambda cores: _in_process(CUDA_FIRST, 8, min(1.5, (cores - 1) / 8), 0.125, 2),
     ),
     "split": Layout(
         "split: a deployment per model, 1/4 GPU each; 2 workers (config/serve-gpu-cluster.yaml)",
@@ -183,7 +172,7 @@ async def _search_rows(
     base_url: str, token: str, faces: list[Path], concurrency: list[int], timeout_s: float
 ) -> list[tuple[int, float, list[float], int]]:
     rows = []
-    async with client_pool(base_url, token, "aiohttp") as client:
+    async with client_pool(base_url, token) as client:
         calls = ServiceCalls(client, faces, [], timeout_s)
         await run_phase(calls.search_long_poll, 64, 16, timeout_s)  # warm-up: every replica, every shape
         for clients in concurrency:
@@ -209,9 +198,7 @@ def measure_layout(
     with (
         tempfile.TemporaryDirectory(prefix="facesearch-gpu-bench-") as data_dir,
         ray_sized_to_the_box(gpus=0 if rehearse_on_cpu else 1),
-        running_service(
-            Path(data_dir), args, env={**cpu_env, **layout.env}, direct_ingress=layout.direct_ingress
-        ) as service,
+        running_service(Path(data_dir), args, env=cpu_env, direct_ingress=layout.direct_ingress) as service,
     ):
         token = service.token_for(service.new_client("bench"))
         return asyncio.run(_search_rows(service.base_url, token, faces, concurrency, timeout_s))

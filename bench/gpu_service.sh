@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine with no package index: install the parts gathered in $KIT (wheels, split wheels, converted
-# models, redis-server, the dev photos) into $SITE, then run the detector comparison (bench.gpu
-# --detector-only) and the service layouts (bench.gpu_service). The CUDA and cuDNN libraries are those of
+# models, redis-server, the dev photos) into $SITE, then run the model layer (bench.gpu) and the service
+# layouts (bench.gpu_service). The CUDA and cuDNN libraries are those of
 # the machine's own Python packages (nvidia-*), put on LD_LIBRARY_PATH.
 #
 #   KIT=/tmp/k SITE=/tmp/site OUT=/tmp/out bench/gpu_service.sh [bench.gpu_service arguments]
@@ -42,6 +42,6 @@ cd "$SRC"
 python3 -c 'import onnxruntime as o; print(o.__version__, o.get_available_providers())'
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 
-timeout 120 python3 -m bench.gpu --detector-only --repeats 5 --run-sizes 8 16 2>&1 | tee "$OUT/detector.txt" || true
+timeout 300 python3 -m bench.gpu --repeats 3 2>&1 | tee "$OUT/gpu.txt" || true
 python3 -m bench.gpu_service "$@" 2>&1 | tee "$OUT/service.txt"
 echo "total $(($(date +%s) - started)) s"

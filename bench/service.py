@@ -2,19 +2,18 @@
 
 Rows: the fair in-process baseline (no Ray, no HTTP: the worker's own decoding of the uploaded bytes, then
 the models the transaction needs: detect+embed for a face search on the identity photos ("faces"),
-detect+age for an age estimation on the age crops ("ages")) and the dlib-bin reference pipeline (HOG +
-5-point landmarks + dlib descriptor, the way the face_recognition library does it) in images/s; then the
-running service's face search (create + polite polling of /result, and create + long poll with
-`Prefer: wait=10`) on the identity photos and age estimation (create + poll, and wait_for_result=1) on the
-age crops, at 1, 8 and 32 concurrent clients, with throughput, its share of the in-process rate on the same
-photos, and p50/p95/p99 latency.
+detect+age for an age estimation on the age crops ("ages")) in images/s; then the running service's face
+search (create + polite polling of /result, and create + long poll with `Prefer: wait=10`) on the identity
+photos and age estimation (create + poll, and wait_for_result=1) on the age crops, at 1, 8 and 32
+concurrent clients, with throughput, its share of the in-process rate on the same photos, and p50/p95/p99
+latency.
 
     python -m bench.service [--requests 64] [--topology in_process split] [--concurrency 1 8 32]
-                            [--client aiohttp|sdk]
 
-With both topologies (the default) each gets a fresh service in turn, and the one table compares them.
-The clients are the SDK (facesearch_client) sending over aiohttp, which leaves the service more of the
-shared cores than the SDK's httpx (bench.load_client); --client sdk measures through httpx.
+With both topologies (the default) each gets a fresh service in turn, and the one table compares them:
+in_process as config/serve.yaml ships it (direct ingress), split through Serve's proxy. The clients are
+the SDK (facesearch_client) sending over aiohttp, which leaves the service more of the shared cores than
+the SDK's httpx (bench.load_client).
 
 The service is started on 127.0.0.1 with embedded Redis and milvus-lite in a temporary directory and shut
 down at the end. Each phase is bounded by --requests and --phase-timeout.
@@ -34,28 +33,14 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import aiohttp
-import httpx
-import numpy as np
 
-from bench.common import format_table, load_image
+from bench.common import format_table, percentile
 from bench.load_client import AiohttpFaceSearchClient
 from facesearch_client import AsyncFaceSearchClient, Pending, RetryPolicy
-from serve_app.launch.deploy_config import load_serve_config
-from tests.faces_dev import REPO_ROOT, load_faces_dev
+from tests.faces_dev import load_faces_dev
 from tests.service_harness import RunningService, running_service
-
-if TYPE_CHECKING:
-    from models.analyzer import ModelConfig
-
-DEFAULT_CONFIG = REPO_ROOT / "config" / "serve.yaml"  # the one-machine CPU topology, in_process
-
-
-def percentile(values: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
-
 
 # What one transaction of each workload asks of the models (the worker's pipeline): a face search
 # embeds every face and estimates no age; an age estimation (not enrolling) only estimates ages.
@@ -71,14 +56,11 @@ class InProcessRate:
     model_cpu_ms: float
 
 
-def in_process_rate(
-    paths: list[Path], workload: str, threads: int, rounds: int, config: ModelConfig | None = None
-) -> InProcessRate:
+def in_process_rate(paths: list[Path], workload: str, threads: int, rounds: int) -> InProcessRate:
     """The transaction's own work with no service around it: decode the uploaded bytes exactly as the
     worker does (serve_app.imaging.decode with the service's limits), then run the models the transaction
     needs, in batches of 16 (no run of the CPU worker is larger, so the baseline has every saving that
-    batching gives). Best of `rounds`. `config` replaces the model config (default: `threads` intra-op
-    threads)."""
+    batching gives). Best of `rounds`."""
     from models.analyzer import ModelConfig, load_face_analyzer
     from serve_app.imaging.decode import decode_image
     from serve_app.settings import Settings
@@ -86,7 +68,7 @@ def in_process_rate(
     limits = Settings.from_env()
     max_pixels, max_side = limits.limits.max_image_pixels, limits.models.analysis_max_side
     embed, estimate_age = WORKLOAD_NEEDS[workload]
-    analyzer = load_face_analyzer(config or ModelConfig(intra_op_threads=threads))
+    analyzer = load_face_analyzer(ModelConfig(intra_op_threads=threads))
     uploads = [path.read_bytes() for path in paths]
     decoded = [decode_image(data, max_pixels, max_side).pixels for data in uploads]
     analyzer.analyze(decoded[:4], embed=embed, estimate_age=estimate_age)  # warm-up
@@ -102,27 +84,6 @@ def in_process_rate(
             analyzer.analyze(decoded[start : start + 16], embed=embed, estimate_age=estimate_age)
         best_model_cpu = min(best_model_cpu, time.process_time() - cpu_started)
     return InProcessRate(len(uploads) / best_wall, best_model_cpu * 1000 / len(uploads))
-
-
-def dlib_reference_images_per_s(paths: list[Path]) -> float:
-    import dlib
-
-    from models.weights import resolve
-
-    detector = dlib.get_frontal_face_detector()
-    shapes = dlib.shape_predictor(str(resolve("dlib_shape5")))
-    descriptor = dlib.face_recognition_model_v1(str(resolve("dlib_resnet_v1")))
-    images = [np.asarray(load_image(path).astype(np.uint8)) for path in paths]
-    started = time.perf_counter()
-    for image in images:
-        rgb = (
-            image
-            if image.ndim == 3 and image.shape[2] == 3
-            else np.stack([image[..., 0] if image.ndim == 3 else image] * 3, -1)
-        )
-        for box in detector(rgb, 1):
-            descriptor.compute_face_descriptor(rgb, shapes(rgb, box))
-    return len(images) / (time.perf_counter() - started)
 
 
 async def run_phase(
@@ -194,24 +155,15 @@ class ServiceCalls:
         )
 
 
-CLIENT_CHOICES = ("aiohttp", "sdk")
-
-
 @contextlib.asynccontextmanager
-async def client_pool(base_url: str, token: str, kind: str) -> AsyncIterator[AsyncFaceSearchClient]:
-    """The benchmark's clients: the SDK with no retries, sending over aiohttp (the lighter load generator,
-    see bench.load_client) or over its own httpx ("sdk"); up to 64 connections either way."""
-    no_retries = RetryPolicy(max_retries=0)
-    if kind == "sdk":
-        limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-        async with httpx.AsyncClient(base_url=base_url, timeout=60, limits=limits) as http:
-            yield AsyncFaceSearchClient(token=token, http=http, retry=no_retries)
-        return
+async def client_pool(base_url: str, token: str) -> AsyncIterator[AsyncFaceSearchClient]:
+    """The benchmark's clients: the SDK with no retries, sending over aiohttp (bench.load_client), up to 64
+    connections."""
     connector = aiohttp.TCPConnector(limit=64)
     timeout = aiohttp.ClientTimeout(total=60)
     async with (
         aiohttp.ClientSession(base_url, connector=connector, timeout=timeout) as session,
-        AiohttpFaceSearchClient(session, token=token, retry=no_retries) as client,
+        AiohttpFaceSearchClient(session, token=token, retry=RetryPolicy(max_retries=0)) as client,
     ):
         yield client
 
@@ -226,7 +178,7 @@ async def service_rows(
 ) -> list[list[str]]:
     """in_process: the pipeline's images/s on the same photos ("faces", "ages"), for the ratio column."""
     rows: list[list[str]] = []
-    async with client_pool(base_url, token, args.client) as client:
+    async with client_pool(base_url, token) as client:
         calls = ServiceCalls(client, faces, ages, args.phase_timeout)
         await run_phase(calls.search, 8, 4, args.phase_timeout)  # warm-up: replicas, connections, Milvus
         for name, (call, workload) in calls.by_name().items():
@@ -241,9 +193,7 @@ async def service_rows(
                         str(concurrency),
                         f"{throughput:.1f}",
                         f"{throughput / in_process[workload]:.0%}",
-                        f"{percentile(latencies, 50) * 1000:.0f}",
-                        f"{percentile(latencies, 95) * 1000:.0f}",
-                        f"{percentile(latencies, 99) * 1000:.0f}",
+                        *(f"{percentile(latencies, q) * 1000:.0f}" for q in (50, 95, 99)),
                         str(failures),
                     ]
                 )
@@ -261,7 +211,6 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--phase-timeout", type=float, default=300.0)
-    add_service_arguments(parser)
     args = parser.parse_args()
 
     dev = load_faces_dev()
@@ -275,7 +224,6 @@ def main() -> None:
         name: in_process_rate(paths, name, args.threads, rounds=2).images_per_s
         for name, paths in workloads.items()
     }
-    reference = {name: dlib_reference_images_per_s(paths) for name, paths in workloads.items()}
     header = [
         "path",
         "topology",
@@ -291,66 +239,26 @@ def main() -> None:
     for name in workloads:
         work = "decode+detect+embed" if name == "faces" else "decode+detect+age"
         rows.append([f"in-process pipeline, {name} ({work})", "-", "-", f"{in_process[name]:.1f}"])
-        rows.append(
-            [f"dlib-bin reference, {name} (HOG up1 + 5pt + descriptor)", "-", "-", f"{reference[name]:.1f}"]
-        )
     summaries = []
     for topology in args.topology:
         measured = measure_service(topology, workloads["faces"], workloads["ages"], in_process, args)
-        label = ingress_label(topology, args.ingress)
-        rows += [[row[0], label, *row[1:]] for row in measured]
+        rows += [[row[0], topology, *row[1:]] for row in measured]
         for name, prefix in (("faces", "service face-search"), ("ages", "service age")):
             best = max(float(row[2]) for row in measured if row[0].startswith(prefix))
             summaries.append(
-                f"{label}, {name}: best service throughput {best:.1f} images/s = "
-                f"{best / in_process[name]:.0%} of in-process, "
-                f"{best / reference[name]:.1f}x the dlib-bin reference"
+                f"{topology}, {name}: best service throughput {best:.1f} images/s = "
+                f"{best / in_process[name]:.0%} of in-process"
             )
     print(format_table(header, [row + [""] * (len(header) - len(row)) for row in rows]))
     print()
     print("\n".join(summaries))
 
 
-INGRESS_CHOICES = ("shipped", "proxy", "direct")
-
-
-def add_service_arguments(parser: argparse.ArgumentParser) -> None:
-    """How the benchmark reaches the service: --ingress and --client."""
-    parser.add_argument(
-        "--ingress",
-        default="shipped",
-        choices=INGRESS_CHOICES,
-        help="how requests reach the ingress: through Serve's HTTP proxy, straight to the ingress replica's "
-        "own server (direct ingress), or as the topology's shipped config says (direct for in_process)",
-    )
-    parser.add_argument(
-        "--client",
-        default="aiohttp",
-        choices=CLIENT_CHOICES,
-        help="the clients' HTTP transport: aiohttp (the lighter load generator, bench.load_client) or the "
-        "SDK's own httpx",
-    )
-
-
-def uses_direct_ingress(topology: str, ingress: str) -> bool:
-    if ingress == "shipped":
-        return topology == "in_process" and load_serve_config(DEFAULT_CONFIG).direct_ingress
-    return ingress == "direct"
-
-
-def ingress_label(topology: str, ingress: str) -> str:
-    return f"{topology} ({'direct' if uses_direct_ingress(topology, ingress) else 'proxy'})"
-
-
 @contextlib.contextmanager
-def benchmarked_service(
-    data_dir: Path, topology: str, threads: int, ingress: str
-) -> Iterator[RunningService]:
-    """The service as benchmarked on this box, on 127.0.0.1: in_process is the shipped default
-    (config/serve.yaml with its environment, as `make run` starts it)."""
-    direct = uses_direct_ingress(topology, ingress)
-    args = None if topology == "in_process" else split_app_args(threads)
-    with running_service(data_dir, args, direct_ingress=direct) as service:
+def benchmarked_service(data_dir: Path, topology: str, threads: int) -> Iterator[RunningService]:
+    """The service on 127.0.0.1: in_process as config/serve.yaml ships it (with its environment and direct
+    ingress, as `make run` starts it); split through Serve's proxy, sized to this box (split_app_args)."""
+    with running_service(data_dir, None if topology == "in_process" else split_app_args(threads)) as service:
         yield service
 
 
@@ -371,7 +279,7 @@ def measure_service(
 ) -> list[list[str]]:
     with (
         tempfile.TemporaryDirectory(prefix="facesearch-bench-") as data_dir,
-        benchmarked_service(Path(data_dir), topology, args.threads, args.ingress) as service,
+        benchmarked_service(Path(data_dir), topology, args.threads) as service,
     ):
         token = service.token_for(service.new_client("bench"))
         return asyncio.run(service_rows(service.base_url, token, faces, ages, in_process, args))

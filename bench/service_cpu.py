@@ -30,11 +30,9 @@ from bench.common import format_table
 from bench.service import (
     InProcessRate,
     ServiceCalls,
-    add_service_arguments,
     benchmarked_service,
     client_pool,
     in_process_rate,
-    ingress_label,
     run_phase,
 )
 from tests.faces_dev import load_faces_dev
@@ -91,7 +89,7 @@ async def measure(
     columns: dict[str, dict[str, float]] = {}
     rates: dict[str, float] = {}
     kinds: dict[str, str] = {}
-    async with client_pool(base_url, token, args.client) as client:
+    async with client_pool(base_url, token) as client:
         calls = ServiceCalls(client, faces, ages, args.phase_timeout)
         await run_phase(calls.search, 8, 4, args.phase_timeout)  # warm-up
         for name, (call, workload) in calls.by_name().items():
@@ -152,7 +150,6 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--phase-timeout", type=float, default=300.0)
-    add_service_arguments(parser)
     args = parser.parse_args()
     dev = load_faces_dev()
     workloads = {
@@ -165,14 +162,13 @@ def main() -> None:
     }
     with (
         tempfile.TemporaryDirectory(prefix="facesearch-bench-") as data_dir,
-        benchmarked_service(Path(data_dir), args.topology, args.threads, args.ingress) as service,
+        benchmarked_service(Path(data_dir), args.topology, args.threads) as service,
     ):
         token = service.token_for(service.new_client("bench"))
         columns, rates, kinds = asyncio.run(measure(service.base_url, token, workloads, args))
     header, rows = table(columns, rates, kinds, baseline)
     print(
-        f"topology {ingress_label(args.topology, args.ingress)}, {args.concurrency} concurrent clients, "
-        f"{args.requests} calls per column"
+        f"topology {args.topology}, {args.concurrency} concurrent clients, {args.requests} calls per column"
     )
     print(format_table(header, rows))
 
