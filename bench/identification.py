@@ -1,8 +1,7 @@
-"""1:N identification and 1:1 verification of every descriptor variant, the score calibration, and the
-quality gate, on faces-calib and faces-dev.
+"""1:N identification and 1:1 verification of face model v2 and its two descriptors, the score
+calibration, and the quality gate, on faces-calib and faces-dev.
 
-    python -m bench.identification [--det-png var/det.png] [--write-calibration] [--no-cache]
-                                   [--no-speed] [--blur-sweep]
+    python -m bench.identification [--write-calibration] [--no-cache]
 
 Protocol (1:N, two folds): the people with two or more photos are split in two halves by name order. In
 fold 1 the first photo of each person of half A is enrolled, together with every distractor (people with a
@@ -15,15 +14,19 @@ The largest face of each photo is used, as by the service; photos without a face
   mate scores < t (or is not among the best 10); FNIR at FPIR 10 % / 1 % reads FNIR at the t that gives it;
 - TAR@FAR, EER: every pair of identity photos (faces-calib: 1,504 genuine, about 1.1M impostor pairs).
 
---write-calibration writes models/data/face_v2_calibration.json from faces-calib: the fusion weights and
-the table cosine -> per-comparison false-match rate (FMR) the service's scores come from.
+Each photo's embeddings and quality measurements are cached in the temp directory (--no-cache recomputes
+them). --write-calibration writes models/data/face_v2_calibration.json from faces-calib: the fusion weights
+and the table cosine -> per-comparison false-match rate (FMR) the service's scores come from.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import json
 import math
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -33,13 +36,17 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import format_table, load_image
-from bench.face_embeddings import PhotoSet, extract, time_embedders
+from models.analyzer import ModelConfig
+from models.arrays import to_rgb
 from models.calibration import CALIBRATION_PATH, FaceScoreCalibration
-from models.embedder import fuse_vectors
-from tests.faces_dev import LabelledImage, load_faces_dev
+from models.chips import align_chip
+from models.embedder import FaceEmbedder, SFaceEmbedder, fuse_vectors
+from models.quality import Pose, assess_quality, judge_quality
+from models.sessions import SessionOptions
+from models.weights import WEIGHTS, converted
+from tests.faces_dev import LabelledImage, faces_dev_dir, load_faces_dev
 
-REPO = Path(__file__).resolve().parent.parent
-CALIB_DIR = REPO.parent / "shared" / "testdata" / "faces-calib"
+CALIB_DIR = faces_dev_dir().parent / "faces-calib"
 FARS = (1e-2, 1e-3, 1e-4)
 FPIRS = (0.10, 0.01)
 CANDIDATES = 10  # the service's default list length
@@ -47,6 +54,126 @@ TAIL_FIT = (1e-5, 1e-3)  # FMR range the exponential tail is fitted on
 LAST_MEASURED_FMR = 1e-5  # below this, fewer than ~11 of 1.1M impostor pairs: the fitted tail takes over
 FMR_KNOTS = (0.5, 0.3, 0.1, 0.03, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5, 1e-5)
 FMR_FLOOR_LOG10 = -10.0  # score 1.0
+
+
+# ---- embeddings -------------------------------------------------------------------------------------------
+
+
+CACHE_VERSION = "4"
+QUALITY_FIELDS = ("face_size_px", "detector_score", "sharpness", "yaw", "pitch", "roll_deg")
+
+
+@dataclass(frozen=True)
+class PhotoSet:
+    names: list[str]
+    identities: list[str]
+    found: np.ndarray  # bool [N]: a face was detected
+    dlib: np.ndarray  # float32 [N, 128], raw dlib descriptors
+    sface: np.ndarray  # float32 [N, 128], L2-normalised
+    quality: np.ndarray  # float64 [N, len(QUALITY_FIELDS)]
+    enrol_ok: np.ndarray  # bool [N]
+    search_ok: np.ndarray  # bool [N]
+    reasons: list[str]  # "+"-joined enrolment reasons
+
+
+def _cache_path(images: list[LabelledImage]) -> Path:
+    digest = hashlib.sha256(CACHE_VERSION.encode())
+    # Other weights (or a changed alignment/quality code path, via CACHE_VERSION) mean other embeddings.
+    for name in ("yunet_2023mar_int8bq", "dlib_shape5", "dlib_resnet_v1", "sface_2021dec_int8bq"):
+        digest.update(WEIGHTS[name].sha256.encode())
+    for item in images:
+        digest.update(f"{item.path}|{item.identity}\n".encode())
+    return Path(tempfile.gettempdir()) / f"facesearch-embeddings-{digest.hexdigest()[:16]}.npz"
+
+
+def extract(images: list[LabelledImage], threads: int = 2, use_cache: bool = True) -> PhotoSet:
+    """The largest face of each photo: its dlib and SFace descriptors and its quality measurements."""
+    cache = _cache_path(images)
+    if use_cache and cache.is_file():
+        data = np.load(cache, allow_pickle=False)
+        return with_current_gate(
+            PhotoSet(
+                names=[str(v) for v in data["names"]],
+                identities=[str(v) for v in data["identities"]],
+                found=data["found"],
+                dlib=data["dlib"],
+                sface=data["sface"],
+                quality=data["quality"],
+                enrol_ok=data["enrol_ok"],
+                search_ok=data["search_ok"],
+                reasons=[str(v) for v in data["reasons"]],
+            )
+        )
+    config = ModelConfig(intra_op_threads=threads)
+    detector, cropper = config.load_detector(), config.load_cropper()
+    options = SessionOptions(intra_op_threads=threads)
+    dlib_embedder = FaceEmbedder(converted("dlib_resnet_v1"), options)
+    sface = SFaceEmbedder(converted("sface_2021dec_int8bq"), options)
+    n = len(images)
+    found = np.zeros(n, bool)
+    dlib_v = np.zeros((n, 128), np.float32)
+    sface_v = np.zeros((n, 128), np.float32)
+    quality = np.full((n, len(QUALITY_FIELDS)), np.nan)
+    enrol_ok = np.zeros(n, bool)
+    search_ok = np.zeros(n, bool)
+    reasons = [""] * n
+    started = time.perf_counter()
+    for index, item in enumerate(images):
+        rgb = to_rgb(load_image(item.path))
+        faces = detector.detect([rgb])[0]
+        if not faces:
+            reasons[index] = "no_face"
+            continue
+        face = max(faces, key=lambda found_face: found_face.area)
+        found[index] = True
+        crops = cropper(rgb, [face], embed=True, estimate_age=False)
+        assert crops.descriptor_chips is not None
+        dlib_v[index] = dlib_embedder.embed(crops.descriptor_chips)[0]
+        chip = align_chip(rgb, face.landmarks)[None]
+        sface_v[index] = sface.embed(chip)[0]
+        q = assess_quality(face, chip[0])
+        quality[index] = [getattr(q, name) for name in QUALITY_FIELDS]
+        enrol_ok[index], search_ok[index] = q.enrol_ok, q.search_ok
+        reasons[index] = "+".join(q.reasons)
+        if index % 200 == 199:
+            print(f"  {index + 1}/{n} photos, {time.perf_counter() - started:.0f} s", flush=True)
+    result = PhotoSet(
+        names=[item.path.name for item in images],
+        identities=[item.identity or item.path.name for item in images],
+        found=found,
+        dlib=dlib_v,
+        sface=sface_v,
+        quality=quality,
+        enrol_ok=enrol_ok,
+        search_ok=search_ok,
+        reasons=reasons,
+    )
+    np.savez(
+        cache,
+        names=np.asarray(result.names),
+        identities=np.asarray(result.identities),
+        found=found,
+        dlib=dlib_v,
+        sface=sface_v,
+        quality=quality,
+        enrol_ok=enrol_ok,
+        search_ok=search_ok,
+        reasons=np.asarray(reasons),
+    )
+    return result
+
+
+def with_current_gate(photos: PhotoSet) -> PhotoSet:
+    """The quality verdicts re-judged from the cached measurements with today's thresholds."""
+    enrol_ok = photos.enrol_ok.copy()
+    search_ok = photos.search_ok.copy()
+    reasons = list(photos.reasons)
+    for index in np.flatnonzero(photos.found):
+        size, score, sharpness, yaw, pitch, roll = (float(v) for v in photos.quality[index])
+        verdict = judge_quality(size, score, sharpness, Pose(yaw=yaw, pitch=pitch, roll_deg=roll))
+        enrol_ok[index], search_ok[index] = verdict.enrol_ok, verdict.search_ok
+        reasons[index] = "+".join(verdict.reasons)
+    return dataclasses.replace(photos, enrol_ok=enrol_ok, search_ok=search_ok, reasons=reasons)
 
 
 @dataclass(frozen=True)
@@ -78,13 +205,10 @@ def label_free_sigma(vectors: np.ndarray, found: np.ndarray) -> float:
 
 def variants(photos: PhotoSet, weights: tuple[float, float]) -> list[Variant]:
     fused = fuse_vectors(unit(photos.dlib), photos.sface, weights)
-    fused_q = fuse_vectors(unit(photos.dlib), photos.sface_int8, weights)
     return [
         Variant("dlib (v1, Euclidean)", photos.dlib, negative_distance),
-        Variant("SFace fp32", photos.sface, cosine),
-        Variant("SFace dyn-int8", photos.sface_int8, cosine),
+        Variant("SFace", photos.sface, cosine),
         Variant("dlib+SFace fused (v2)", fused, cosine),
-        Variant("dlib+SFace-int8 fused", fused_q, cosine),
     ]
 
 
@@ -207,85 +331,11 @@ def fnir_at_fpir(trial: Trial, fpir: float) -> float:
     return float(np.mean(trial.mated_mate < t))
 
 
-# ---- DET plot ---------------------------------------------------------------------------------------------
-
-
-def det_points(negatives: np.ndarray, positives_miss: Callable[[float], float]) -> list[tuple[float, float]]:
-    points = []
-    for exponent in np.linspace(-5, 0, 41):
-        rate = 10.0**exponent
-        if rate * len(negatives) < 1:
-            continue
-        t = threshold_at_rate(negatives, rate)
-        points.append((rate, positives_miss(t)))
-    return points
-
-
-def _share_below(values: np.ndarray) -> Callable[[float], float]:
-    ordered = np.sort(values)
-    return lambda t: float(np.searchsorted(ordered, t, side="left") / max(len(ordered), 1))
-
-
-def draw_det(
-    path: Path, panels: list[tuple[str, str, str, list[tuple[str, list[tuple[float, float]]]]]]
-) -> None:
-    """Log-log DET panels (x: false positive rate, y: miss rate) drawn with PIL."""
-    from PIL import Image, ImageDraw
-
-    width, height, margin = 520, 420, 60
-    colours = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189)]
-    image = Image.new("RGB", (width * len(panels), height), "white")
-    draw = ImageDraw.Draw(image)
-    x_min, y_min = -5.0, -3.0
-
-    for p, (title, x_label, y_label, curves) in enumerate(panels):
-        left, top = p * width + margin, 30
-        right, bottom = (p + 1) * width - 20, height - margin
-
-        def to_xy(
-            x: float, y: float, left: int = left, right: int = right, bottom: int = bottom, top: int = top
-        ) -> tuple[float, float]:
-            lx = (math.log10(max(x, 10**x_min)) - x_min) / -x_min
-            ly = (math.log10(max(y, 10**y_min)) - y_min) / -y_min
-            return left + lx * (right - left), bottom - ly * (bottom - top)
-
-        draw.rectangle([left, top, right, bottom], outline="black")
-        for e in range(int(x_min), 1):
-            x, _ = to_xy(10.0**e, 1)
-            draw.line([x, top, x, bottom], fill=(225, 225, 225))
-            draw.text((x - 12, bottom + 5), f"1e{e}", fill="black")
-        for e in range(int(y_min), 1):
-            _, y = to_xy(1, 10.0**e)
-            draw.line([left, y, right, y], fill=(225, 225, 225))
-            draw.text((left - 38, y - 6), f"1e{e}", fill="black")
-        draw.text((left, 8), title, fill="black")
-        draw.text(((left + right) // 2 - 40, bottom + 22), x_label, fill="black")
-        draw.text((p * width + 4, top - 18), y_label, fill="black")
-        for k, (name, points) in enumerate(curves):
-            colour = colours[k % len(colours)]
-            xy = [to_xy(x, y) for x, y in points]
-            if len(xy) >= 2:
-                draw.line(xy, fill=colour, width=2)
-            draw.text((right - 190, top + 8 + 14 * k), name, fill=colour)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    image.save(path)
-
-
 # ---- reports ----------------------------------------------------------------------------------------------
 
 
-def model_table(
-    label: str, photos: PhotoSet, weights: tuple[float, float], timings: dict[str, float]
-) -> tuple[str, list[tuple[str, str, str, list[tuple[str, list[tuple[float, float]]]]]]]:
+def model_table(label: str, photos: PhotoSet, weights: tuple[float, float]) -> str:
     rows = []
-    verification_curves, identification_curves = [], []
-    timing_of = {
-        "dlib (v1, Euclidean)": timings["dlib"],
-        "SFace fp32": timings["sface_fp32"],
-        "SFace dyn-int8": timings["sface_int8"],
-        "dlib+SFace fused (v2)": timings["dlib"] + timings["sface_fp32"],
-        "dlib+SFace-int8 fused": timings["dlib"] + timings["sface_int8"],
-    }
     for variant in variants(photos, weights):
         scores = variant.similarity(variant.vectors, variant.vectors)
         genuine, impostor = pair_scores(scores, photos.identities, photos.found)
@@ -309,12 +359,7 @@ def model_table(
                     else "n/a"
                     for fpir in FPIRS
                 ],
-                f"{timing_of[variant.name]:.1f}",
             ]
-        )
-        verification_curves.append((variant.name, det_points(impostor, _share_below(genuine))))
-        identification_curves.append(
-            (variant.name, det_points(trial.nonmated_best, _share_below(trial.mated_mate)))
         )
     genuine_n, impostor_n = pair_scores(np.zeros((len(photos.names),) * 2), photos.identities, photos.found)
     trial_sizes = run_trial(variants(photos, weights)[1], photos.identities, photos.found)
@@ -324,19 +369,13 @@ def model_table(
         "EER",
         "rank-1",
         *[f"FNIR@FPIR {int(f * 100)}%" for f in FPIRS],
-        "ms/face",
     ]
-    text = (
+    return (
         f"## {label}: {int(photos.found.sum())}/{len(photos.names)} photos with a face; "
         f"{len(genuine_n)} genuine / {len(impostor_n)} impostor pairs; 1:N (2 folds): "
         f"{len(trial_sizes.mated_mate)} mated / {len(trial_sizes.nonmated_best)} non-mated probes\n"
         + format_table(header, rows)
     )
-    panels = [
-        (f"{label}: verification DET", "FMR", "FNMR", verification_curves),
-        (f"{label}: 1:N DET", "FPIR", "FNIR", identification_curves),
-    ]
-    return text, panels
 
 
 def calibration(photos: PhotoSet, weights: tuple[float, float]) -> dict[str, object]:
@@ -457,69 +496,15 @@ def quality_table(photos: PhotoSet, weights: tuple[float, float]) -> str:
     return "\n".join(lines) + "\n" + table + "\n" + split
 
 
-def blur_sweep(images: Sequence[LabelledImage], photos: PhotoSet, weights: tuple[float, float]) -> str:
-    """What blur does to sharpness and to matching: 200 photos of people with a mate, blurred with a
-    Gaussian of each sigma, searched against their mates' unblurred photos (how the bars were chosen)."""
-    import cv2
-
-    from models.analyzer import ModelConfig
-    from models.arrays import to_rgb
-    from models.chips import align_chip
-    from models.quality import chip_sharpness
-
-    calibration = FaceScoreCalibration.load()
-    fused = fuse_vectors(unit(photos.dlib), photos.sface, weights)
-    ids = np.asarray(photos.identities)
-    config = ModelConfig(intra_op_threads=2)
-    detector, cropper, embedder = config.load_detector(), config.load_cropper(), config.load_embedder()
-    with_mates = [i for i in range(len(ids)) if photos.found[i] and int(np.sum(ids == ids[i])) > 1]
-    pick = np.random.default_rng(0).choice(with_mates, min(200, len(with_mates)), replace=False)
-    bar = calibration.cosine_for_score(0.5)  # the default bar of a 1,000-face gallery
-    rows = []
-    for sigma in (0.0, 1.0, 1.5, 2.0, 3.0):
-        sharpness, best = [], []
-        for index in pick:
-            rgb = to_rgb(load_image(images[index].path))
-            if sigma:
-                rgb = cv2.GaussianBlur(rgb, (0, 0), sigma)
-            faces = detector.detect([rgb])[0]
-            if not faces:
-                best.append(-1.0)
-                continue
-            face = max(faces, key=lambda found: found.area)
-            crops = cropper(rgb, [face], embed=True, estimate_age=False)
-            chip = align_chip(rgb, face.landmarks)
-            assert crops.descriptor_chips is not None
-            vector = embedder.embed(crops.descriptor_chips, chip[None])[0]
-            mates = [j for j in np.flatnonzero(ids == ids[index]) if j != index]
-            sharpness.append(chip_sharpness(chip))
-            best.append(float(np.max(fused[mates] @ vector)))
-        values, scores = np.asarray(sharpness), np.asarray(best)
-        rows.append(
-            [
-                f"{sigma:g}",
-                f"{np.percentile(values, 10):.1f} / {np.median(values):.1f}",
-                f"{np.mean([calibration.score(v) for v in scores]):.3f}",
-                f"{100 * np.mean(scores < bar):.1f}%",
-            ]
-        )
-    return format_table(
-        ["blur sigma (px)", "sharpness p10 / median", "best-mate score, mean", "mate below score 0.5"], rows
-    )
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.identification", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--faces-dev", type=Path, default=None)
     parser.add_argument("--faces-calib", type=Path, default=CALIB_DIR)
-    parser.add_argument("--det-png", type=Path, default=REPO / "var" / "det.png")
-    parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads for ms/face")
+    parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads")
     parser.add_argument("--write-calibration", action="store_true", help=f"write {CALIBRATION_PATH.name}")
     parser.add_argument("--no-cache", action="store_true", help="recompute the per-photo embeddings")
-    parser.add_argument("--no-speed", action="store_true", help="skip the ms/face measurement")
-    parser.add_argument("--blur-sweep", action="store_true", help="also measure blur against matching")
     args = parser.parse_args(argv)
 
     calib_set = load_faces_dev(args.faces_calib)
@@ -527,8 +512,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     calib_images = calib_set.of_kind("identity")
     dev_images: list[LabelledImage] = dev_set.of_kind("identity") + dev_set.of_kind("age")
     started = time.perf_counter()
-    calib = extract(calib_images, use_cache=not args.no_cache)
-    dev = extract(dev_images, use_cache=not args.no_cache)
+    calib = extract(calib_images, args.threads, use_cache=not args.no_cache)
+    dev = extract(dev_images, args.threads, use_cache=not args.no_cache)
     print(f"embeddings ready in {time.perf_counter() - started:.0f} s")
 
     weights = (
@@ -544,40 +529,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         CALIBRATION_PATH.write_text(json.dumps(calibration(calib, weights), indent=1) + "\n")
         print(f"wrote {CALIBRATION_PATH}")
 
-    # ms/face on real chips: the first 64 calib photos, in runs of 16 faces, and at batch 1.
-    from models.analyzer import ModelConfig
-    from models.arrays import to_rgb
-    from models.chips import align_chip
-
-    config = ModelConfig()
-    detector, cropper = config.load_detector(), config.load_cropper()
-    dlib_chips, sface_chips = [], []
-    for item in calib_images[: 0 if args.no_speed else 64]:
-        rgb = to_rgb(load_image(item.path))
-        faces = detector.detect([rgb])[0]
-        if faces:
-            face = max(faces, key=lambda f: f.area)
-            crops = cropper(rgb, [face], embed=True, estimate_age=False)
-            assert crops.descriptor_chips is not None
-            dlib_chips.append(crops.descriptor_chips[0])
-            sface_chips.append(align_chip(rgb, face.landmarks))
-    if args.no_speed:
-        timings = timings_b1 = dict.fromkeys(("dlib", "sface_fp32", "sface_int8"), float("nan"))
-    else:
-        timings = time_embedders(np.stack(dlib_chips), np.stack(sface_chips), args.threads, 16)
-        timings_b1 = time_embedders(np.stack(dlib_chips), np.stack(sface_chips), args.threads, 1)
-    print(
-        f"ms/face ({args.threads} threads), batch 16 / batch 1: "
-        + ", ".join(f"{k} {timings[k]:.1f} / {timings_b1[k]:.1f}" for k in timings)
-    )
-
-    panels = []
     for label, photos in (("faces-calib", calib), ("faces-dev", dev)):
-        text, det = model_table(label, photos, weights, timings)
-        print(f"\n{text}")
-        panels.extend(det)
-    draw_det(args.det_png, panels)
-    print(f"\nDET curves: {args.det_png}")
+        print(f"\n{model_table(label, photos, weights)}")
 
     table = FaceScoreCalibration.load()
     print(
@@ -587,8 +540,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\n## Default minimum score by gallery size\n{gallery_threshold_table(table)}")
     for label, photos in (("faces-calib", calib), ("faces-dev", dev)):
         print(f"\n## Quality gate on {label}\n{quality_table(photos, weights)}")
-    if args.blur_sweep:
-        print(f"\n## Blur against matching (faces-calib)\n{blur_sweep(calib_images, calib, weights)}")
     return 0
 
 

@@ -15,7 +15,7 @@ def relu6_as_clip(model: onnx.ModelProto) -> onnx.ModelProto:
     """Each Relu -> Min(6) -> Max(0) chain (TFJS's Relu6, 27 of them) becomes one Clip(0, 6): the same
     function, which ONNX Runtime fuses into the convolution before it and keeps in its blocked (NCHWc) layout.
     As three ops they were 57 % of the model's CPU time (the Min and Max, and reordering the layout around
-    them); measured by bench.age's ms/face column."""
+    them), measured on the CPU when this rewrite was added."""
     constants = {tensor.name: numpy_helper.to_array(tensor) for tensor in model.graph.initializer}
     producer = {output: node for node in model.graph.node for output in node.output}
     readers: dict[str, int] = {}

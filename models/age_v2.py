@@ -6,9 +6,9 @@ fetch`); this module only loads the converted file (models.weights.converted).
 
 Preprocessing is HSE's own: the detector's face box widened by a margin, cropped (clipped to the image),
 resized to 224x224, BGR, minus the Caffe means; the age head is a 100-class softmax over 1..100 years and
-the estimate its expectation. Views (margin, mirror image) were chosen on faces-calib's UTKFace crops with
-`python -m bench.age --choose-views` (table in docs/age.md); the monotone correction of the estimate and the
-under_18 / under_21 bands were fitted on the same crops by `python -m bench.age --calibrate`, which writes
+the estimate its expectation. Views (margin, mirror image) were chosen on faces-calib's UTKFace crops
+(table in docs/age.md); the monotone correction of the estimate and the under_18 / under_21 bands are
+fitted on the same crops by `python -m model_build.age_calibration`, which writes
 models/age_calibration.json (numbers only). Nothing here was trained: the network's weights are HSE's.
 """
 
@@ -44,7 +44,7 @@ _CAFFE_MEANS_BGR = np.array([103.939, 116.779, 123.68], dtype=np.float32)
 _PROBABILITY_SUM_TOLERANCE = 1e-3
 
 # The crop around the detector box: the box grows by this fraction of its width / height on every side.
-# Chosen on faces-calib (bench/age.py --choose-views): margin 0.1, one view. The mirror image as a second
+# Chosen on faces-calib (docs/age.md): margin 0.1, one view. The mirror image as a second
 # view moved the MAE from 4.72 to 4.70 years for twice the cost, so it is off.
 FACE_MARGINS: tuple[float, ...] = (0.1,)
 FACE_MIRROR = False
@@ -145,7 +145,7 @@ class AgeCalibration:
             if list(views["margins"]) != list(FACE_MARGINS) or bool(views["mirror"]) != FACE_MIRROR:
                 raise ModelFormatError(
                     f"{path} was fitted for views {views}, but the code uses margins {FACE_MARGINS} and "
-                    f"mirror {FACE_MIRROR}: rerun `python -m bench.age --calibrate`"
+                    f"mirror {FACE_MIRROR}: rerun `python -m model_build.age_calibration`"
                 )
             return cls(
                 raw_knots=tuple(float(v) for v in data["correction"]["raw"]),

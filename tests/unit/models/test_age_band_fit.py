@@ -1,10 +1,10 @@
-"""bench.age's choice of the under_18 / under_21 bands (fit_bands) on made-up calibration estimates."""
+"""The under_18 / under_21 bands model_build.age_calibration chooses (fit_bands), on made-up estimates."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from bench.age import ADULT_CUT_MARGIN, fit_bands
+from model_build.age_calibration import ADULT_CUT_MARGIN, fit_bands
 
 
 def _calib(young_adults: list[float]) -> tuple[np.ndarray, np.ndarray]:
