@@ -2,10 +2,10 @@
 
     python -m bench.accuracy [--faces-dev DIR] [--threads N]
 
-Prints: detection recall / false positives / group counts; verification distance ranges, accuracy and
-false-match rate at the default threshold; rank-1 identification; age MAE by band and the share of each
-under_18 / under_21 value per true-age group (the age model's views and bands are chosen on faces-calib by
-bench/age.py, never here).
+Prints: detection recall / false positives / group counts; verification score ranges, accuracy and
+false-match rate at the default threshold; age MAE by band and the share of each under_18 / under_21 value
+per true-age group (the age model's correction and bands are fitted on faces-calib by
+model_build.age_calibration, never here). 1:N identification: bench.identification.
 """
 
 from __future__ import annotations
@@ -152,27 +152,6 @@ def verification_tables(descriptors: list[Descriptor], min_score: float) -> str:
     return f"{table}\n{summary}\n\n{sweep}"
 
 
-def identification_table(descriptors: list[Descriptor], min_score: float) -> str:
-    # Probes: identity photos whose person has at least one other photo; gallery: every other identity photo.
-    calibration = FaceScoreCalibration.load()
-    photos = [d for d in descriptors if "#" not in d.source]
-    correct = within = probes = 0
-    for probe in photos:
-        gallery = [d for d in photos if d is not probe]
-        if not any(d.identity == probe.identity for d in gallery):
-            continue
-        probes += 1
-        scores = [_score(calibration, probe, d) for d in gallery]
-        best = int(np.argmax(scores))
-        if gallery[best].identity == probe.identity:
-            correct += 1
-            within += scores[best] >= min_score
-    return format_table(
-        ["probes", "rank-1 correct", f"rank-1 correct and score >= {min_score:.2f}"],
-        [[str(probes), f"{correct} ({percent(correct, probes)})", f"{within} ({percent(within, probes)})"]],
-    )
-
-
 def age_tables(ages: list[tuple[int, AgeEstimate]], missing: int) -> str:
     truth = np.asarray([true_age for true_age, _ in ages], dtype=np.float64)
     expected = np.asarray([estimate.expected_age for _, estimate in ages])
@@ -221,10 +200,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"# Verification (identity photos' largest face + every group face)\n"
         f"{verification_tables(descriptors, threshold)}\n"
-    )
-    print(
-        f"# Identification (each identity photo against all other identity photos)\n"
-        f"{identification_table(descriptors, threshold)}\n"
     )
 
     ages: list[tuple[int, AgeEstimate]] = []

@@ -20,7 +20,6 @@ are built by `python -m model_build.age_calibration`.
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import hashlib
 import json
@@ -33,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import format_table, load_image
+from model_build.age_calibration import default_photos_dir, labelled
 from models import age_v2
 from models.age_policy import (
     DEFAULT_MINOR_CLEARED_RATE,
@@ -61,11 +61,8 @@ from models.sessions import SessionOptions
 from models.types import AnalyzedFace, DetectedFace, FaceQuality
 from models.weights import NPM_WEIGHTS, converted, resolve
 from tests.degradations import DEGRADATIONS, Step
-from tests.faces_dev import faces_dev_dir, load_faces_dev
+from tests.faces_dev import load_faces_dev
 
-# The other shared photo sets sit next to faces-dev (FACES_DEV_DIR moves all three).
-CALIB_DIR = faces_dev_dir().parent / "faces-calib"
-WILD_DIR = faces_dev_dir().parent / "faces-wild"
 # Model outputs are cached outside the repository (FACESEARCH_AGE_CACHE moves them).
 CACHE_DIR = Path(os.environ.get("FACESEARCH_AGE_CACHE", "/tmp/facesearch-age-cache"))
 GROUPS: tuple[tuple[int, int], ...] = ((5, 11), (12, 17), (18, 20), (21, 25), (26, 40), (41, 70))
@@ -78,22 +75,11 @@ class PhotoSet:
     ages: np.ndarray  # int, true ages
 
 
-def calib_set(root: Path = CALIB_DIR) -> PhotoSet:
-    with (root / "labels.csv").open(newline="") as handle:
-        rows = [row for row in csv.DictReader(handle) if row["kind"] == "age"]
-    return PhotoSet(
-        "faces-calib", tuple(root / r["file"] for r in rows), np.array([int(r["age"]) for r in rows])
-    )
-
-
-def wild_set(root: Path = WILD_DIR) -> PhotoSet:
-    """faces-wild: FairFace photos labelled with a perceived age group; `ages` holds the group's lower
-    bound (0, 3, 10, 20, ..., 70)."""
-    with (root / "labels.csv").open(newline="") as handle:
-        rows = list(csv.DictReader(handle))
-    return PhotoSet(
-        "faces-wild", tuple(root / r["file"] for r in rows), np.array([int(r["age_low"]) for r in rows])
-    )
+def labelled_set(name: str, kind: str, age_column: str) -> PhotoSet:
+    """A shared photo set next to faces-dev (FACES_DEV_DIR moves them all). faces-wild's `ages` hold its
+    perceived-age group's lower bound (0, 3, 10, 20, ..., 70)."""
+    rows = labelled(default_photos_dir() / name / "labels.csv", kind, age_column)
+    return PhotoSet(name, tuple(path for path, _ in rows), np.array([age for _, age in rows]))
 
 
 # Degraded copies are made of a fixed sample of faces-calib: every face under 18, half of the 18-20s and
@@ -142,9 +128,6 @@ class PhotoFaces:
     # models.quality.chip_measures costs no detection or model time.
     chips: np.ndarray
     blockiness: np.ndarray  # float [F]: models.quality.blockiness on the (degraded) photo
-
-    def faces_of(self, index: int) -> np.ndarray:
-        return np.flatnonzero(self.photo == index)
 
     def measures(self) -> list[ChipMeasures]:
         return [chip_measures(chip) for chip in self.chips]
@@ -760,7 +743,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     detector = FaceDetector(resolve("yunet_2023mar_int8bq"), DetectorOptions(), options)
     calibration_stub = age_v2.AgeCalibration((0.0, 100.0), (0.0, 100.0), age_v2.AgeBands(16, 34, 19, 37))
     estimator = age_v2.FaceresAgeEstimator(converted("faceres_deep"), options, calibration_stub)
-    calib, dev, wild = calib_set(), dev_set(), wild_set()
+    calib, wild = labelled_set("faces-calib", "age", "age"), labelled_set("faces-wild", "", "age_low")
+    dev = dev_set()
     all_faces = {photos.name: photo_faces(photos, detector, estimator) for photos in (wild, dev, calib)}
     calibration = age_v2.AgeCalibration.load()
     sample = degraded_sample(calib)

@@ -293,9 +293,8 @@ def run_trial(
     identities: Sequence[str],
     found: np.ndarray,
     enrol_ok: np.ndarray | None = None,
-    probe_ok: np.ndarray | None = None,
 ) -> Trial:
-    """probe_ok: only these probes are searched (to split results by the search bar)."""
+    """Both folds' probes searched against their gallery (enrol_ok: the enrolment gate, see folds)."""
     ids = np.asarray(identities)
     mate_scores, rank1, nonmated_best = [], [], []
     for gallery, mated, nonmated in folds(identities, found, enrol_ok):
@@ -303,8 +302,6 @@ def run_trial(
         gallery_vectors = variant.vectors[enrolled]
         gallery_ids = ids[enrolled]
         for probes, is_mated in ((mated, True), (nonmated, False)):
-            if probe_ok is not None:
-                probes = [p for p in probes if probe_ok[p]]
             usable = [p for p in probes if found[p]]
             misses = len(probes) - len(usable)
             scores = (
@@ -479,21 +476,7 @@ def quality_table(photos: PhotoSet, weights: tuple[float, float]) -> str:
     table = format_table(
         ["1:N (fused v2)", "mated / non-mated", "FNIR@FPIR 10%", "FNIR@FPIR 1%", "rank-1"], rows
     )
-    # The search bar: probes below it against the same thresholds (set on all probes, no gate).
-    split_rows = []
-    for fpir in FPIRS:
-        t = threshold_at_rate(base.nonmated_best, fpir)
-        cells = [f"{int(fpir * 100)}% (t={t:.4f})"]
-        for probe_ok in (photos.search_ok, ~photos.search_ok):
-            part = run_trial(fused, photos.identities, found, probe_ok=probe_ok)
-            fnir = f"{100 * np.mean(part.mated_mate < t):.1f}%" if len(part.mated_mate) else "-"
-            fpir_part = f"{100 * np.mean(part.nonmated_best >= t):.1f}%" if len(part.nonmated_best) else "-"
-            cells.append(f"{fnir} / {fpir_part} (n={len(part.mated_mate)}/{len(part.nonmated_best)})")
-        split_rows.append(cells)
-    split = format_table(
-        ["threshold at FPIR", "meeting the search bar: FNIR / FPIR", "below it: FNIR / FPIR"], split_rows
-    )
-    return "\n".join(lines) + "\n" + table + "\n" + split
+    return "\n".join(lines) + "\n" + table
 
 
 def main(argv: Sequence[str] | None = None) -> int:

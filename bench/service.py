@@ -8,12 +8,19 @@ photos and age estimation (create + poll, and wait_for_result=1) on the age crop
 concurrent clients, with throughput, its share of the in-process rate on the same photos, and p50/p95/p99
 latency.
 
-    python -m bench.service [--requests 64] [--topology in_process split] [--concurrency 1 8 32]
+    python -m bench.service [--requests 64] [--topology in_process split] [--concurrency 1 8 32] [--cpu]
 
 With both topologies (the default) each gets a fresh service in turn, and the one table compares them:
 in_process as config/serve.yaml ships it (direct ingress), split through Serve's proxy. The clients are
 the SDK (facesearch_client) sending over aiohttp, which leaves the service more of the shared cores than
 the SDK's httpx (bench.load_client).
+
+With --cpu, each phase also reads every process's CPU time from /proc before and after, and a table per
+topology and client count gives the CPU milliseconds per transaction of each process (Serve's HTTP proxy,
+the ingress, the worker, the model replicas, Redis, Milvus, Ray's own daemons, the benchmark's client) for
+each kind of call, their total, and the models' own CPU per image (measured in process on the same photos,
+decoding excluded) as a share of it. Where the cores are the limit, the total is what one transaction
+costs, and the table says which hop to make cheaper. Linux only (/proc).
 
 The service is started on 127.0.0.1 with embedded Redis and milvus-lite in a temporary directory and shut
 down at the end. Each phase is bounded by --requests and --phase-timeout.
@@ -28,8 +35,10 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # read by ray a
 import argparse
 import asyncio
 import contextlib
+import re
 import tempfile
 import time
+from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +95,50 @@ def in_process_rate(paths: list[Path], workload: str, threads: int, rounds: int)
     return InProcessRate(len(uploads) / best_wall, best_model_cpu * 1000 / len(uploads))
 
 
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+_REPLICA = re.compile(r"ray::ServeReplica:[^:]+:(\w+)")
+
+
+def process_role(pid: int, command_line: str) -> str | None:
+    """A short name for a process of the service, or None for a process that is not part of it."""
+    if pid == os.getpid():
+        return "benchmark client"
+    if match := _REPLICA.search(command_line):
+        return match.group(1)
+    for needle, role in (
+        ("ray::ProxyActor", "Serve HTTP proxy"),
+        ("ray::ServeController", "Serve controller"),
+        ("redis-server", "redis-server"),
+        ("milvus", "milvus-lite"),
+        ("raylet", "Ray daemons"),
+        ("gcs_server", "Ray daemons"),
+        ("ray::", "Ray daemons"),
+        ("ray/", "Ray daemons"),
+    ):
+        if needle in command_line:
+            return role
+    return None
+
+
+def cpu_seconds_by_role() -> dict[str, float]:
+    totals: dict[str, float] = defaultdict(float)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            command_line = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue  # ended between the listing and the read
+        role = process_role(int(entry), command_line)
+        if role is None:
+            continue
+        # Fields after the command name: utime and stime are the 12th and 13th (man 5 proc).
+        fields = stat.rsplit(")", 1)[1].split()
+        totals[role] += (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
+    return totals
+
+
 async def run_phase(
     call: Callable[[int], Awaitable[None]], requests: int, concurrency: int, timeout_s: float
 ) -> tuple[float, list[float], int]:
@@ -108,6 +161,15 @@ async def run_phase(
     return time.perf_counter() - started, latencies, failures
 
 
+# Each kind of call: the ServiceCalls method that makes it, and the workload its photos come from.
+CALL_KINDS = {
+    "face-search (create+poll)": ("search", "faces"),
+    "face-search (create+long poll)": ("search_long_poll", "faces"),
+    "age (create+poll)": ("age_poll", "ages"),
+    "age (wait_for_result=1)": ("age_wait", "ages"),
+}
+
+
 class ServiceCalls:
     """One client transaction per call, as the benchmark's clients make them (through facesearch_client,
     with no retries so a refused call counts as a failure); `index` picks the photo."""
@@ -122,12 +184,7 @@ class ServiceCalls:
 
     def by_name(self) -> dict[str, tuple[Callable[[int], Awaitable[None]], str]]:
         """Each kind of call with the workload ("faces" or "ages") its photos come from."""
-        return {
-            "face-search (create+poll)": (self.search, "faces"),
-            "face-search (create+long poll)": (self.search_long_poll, "faces"),
-            "age (create+poll)": (self.age_poll, "ages"),
-            "age (wait_for_result=1)": (self.age_wait, "ages"),
-        }
+        return {name: (getattr(self, method), workload) for name, (method, workload) in CALL_KINDS.items()}
 
     async def search(self, index: int) -> None:
         # Polite polling: 50 ms growing to 400 ms between polls.
@@ -168,36 +225,60 @@ async def client_pool(base_url: str, token: str) -> AsyncIterator[AsyncFaceSearc
         yield client
 
 
+CpuColumns = dict[int, dict[str, dict[str, float]]]  # clients -> call -> process -> CPU ms per transaction
+
+
 async def service_rows(
     base_url: str,
     token: str,
-    faces: list[Path],
-    ages: list[Path],
-    in_process: dict[str, float],
+    workloads: dict[str, list[Path]],
+    baseline: dict[str, InProcessRate],
     args: argparse.Namespace,
-) -> list[list[str]]:
-    """in_process: the pipeline's images/s on the same photos ("faces", "ages"), for the ratio column."""
+) -> tuple[list[list[str]], CpuColumns]:
+    """Each kind of call at each client count: the table's rows, and with --cpu the CPU of each process."""
     rows: list[list[str]] = []
+    cpu: CpuColumns = defaultdict(dict)
     async with client_pool(base_url, token) as client:
-        calls = ServiceCalls(client, faces, ages, args.phase_timeout)
+        calls = ServiceCalls(client, workloads["faces"], workloads["ages"], args.phase_timeout)
         await run_phase(calls.search, 8, 4, args.phase_timeout)  # warm-up: replicas, connections, Milvus
         for name, (call, workload) in calls.by_name().items():
             for concurrency in args.concurrency:
+                before = cpu_seconds_by_role() if args.cpu else {}
                 elapsed, latencies, failures = await run_phase(
                     call, args.requests, concurrency, args.phase_timeout
                 )
+                if args.cpu and latencies:
+                    after = cpu_seconds_by_role()
+                    cpu[concurrency][name] = {
+                        role: (after[role] - before.get(role, 0.0)) * 1000 / len(latencies) for role in after
+                    }
                 throughput = len(latencies) / elapsed
                 rows.append(
                     [
                         f"service {name}",
                         str(concurrency),
                         f"{throughput:.1f}",
-                        f"{throughput / in_process[workload]:.0%}",
+                        f"{throughput / baseline[workload].images_per_s:.0%}",
                         *(f"{percentile(latencies, q) * 1000:.0f}" for q in (50, 95, 99)),
                         str(failures),
                     ]
                 )
-    return rows
+    return rows, cpu
+
+
+def cpu_table(columns: dict[str, dict[str, float]], baseline: dict[str, InProcessRate]) -> str:
+    """CPU ms per transaction by process (rows) and kind of call (columns), the total, and the share of it
+    the models alone need."""
+    kinds = {name: workload for name, (_, workload) in CALL_KINDS.items()}
+    first = next(iter(columns.values()))
+    roles = sorted({role for column in columns.values() for role in column}, key=lambda r: -first.get(r, 0.0))
+    rows = [[role, *(f"{column.get(role, 0.0):.1f}" for column in columns.values())] for role in roles]
+    totals = {name: sum(column.values()) for name, column in columns.items()}
+    models = {name: baseline[kinds[name]].model_cpu_ms for name in columns}
+    rows.append(["total", *(f"{totals[name]:.1f}" for name in columns)])
+    rows.append(["models alone (in process)", *(f"{models[name]:.1f}" for name in columns)])
+    rows.append(["models' share of the total", *(f"{models[name] / totals[name]:.0%}" for name in columns)])
+    return format_table(["CPU ms per transaction", *columns], rows)
 
 
 def main() -> None:
@@ -211,6 +292,7 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--phase-timeout", type=float, default=300.0)
+    parser.add_argument("--cpu", action="store_true", help="also CPU ms per transaction in each process")
     args = parser.parse_args()
 
     dev = load_faces_dev()
@@ -219,39 +301,39 @@ def main() -> None:
         "ages": [image.path for image in dev.of_kind("age")],
     }
     # Each service row is compared with the pipeline on the same photos: the identity photos are large
-    # JPEGs, the age photos small crops, and they cost very different amounts to decode and analyse.
-    in_process = {
-        name: in_process_rate(paths, name, args.threads, rounds=2).images_per_s
-        for name, paths in workloads.items()
+    # JPEGs, the age photos small crops, and they cost very different amounts to decode and analyse. Measured
+    # before any service starts, so nothing else competes for the cores.
+    baseline = {
+        name: in_process_rate(paths, name, args.threads, rounds=2) for name, paths in workloads.items()
     }
-    header = [
-        "path",
-        "topology",
-        "clients",
-        "images/s",
-        "vs in-process",
-        "p50 ms",
-        "p95 ms",
-        "p99 ms",
-        "failures",
-    ]
+    header = ["path", "topology", "clients", "images/s", "vs in-process", "p50 ms", "p95 ms", "p99 ms"]
+    header.append("failures")
     rows = []
-    for name in workloads:
+    for name, rate in baseline.items():
         work = "decode+detect+embed" if name == "faces" else "decode+detect+age"
-        rows.append([f"in-process pipeline, {name} ({work})", "-", "-", f"{in_process[name]:.1f}"])
-    summaries = []
+        rows.append([f"in-process pipeline, {name} ({work})", "-", "-", f"{rate.images_per_s:.1f}"])
+    summaries, cpu_tables = [], []
     for topology in args.topology:
-        measured = measure_service(topology, workloads["faces"], workloads["ages"], in_process, args)
+        with (
+            tempfile.TemporaryDirectory(prefix="facesearch-bench-") as data_dir,
+            benchmarked_service(Path(data_dir), topology, args.threads) as service,
+        ):
+            token = service.token_for(service.new_client("bench"))
+            measured, cpu = asyncio.run(service_rows(service.base_url, token, workloads, baseline, args))
         rows += [[row[0], topology, *row[1:]] for row in measured]
         for name, prefix in (("faces", "service face-search"), ("ages", "service age")):
             best = max(float(row[2]) for row in measured if row[0].startswith(prefix))
             summaries.append(
                 f"{topology}, {name}: best service throughput {best:.1f} images/s = "
-                f"{best / in_process[name]:.0%} of in-process"
+                f"{best / baseline[name].images_per_s:.0%} of in-process"
             )
+        for clients, columns in cpu.items():
+            cpu_tables.append(f"{topology}, {clients} clients, {args.requests} calls per column\n")
+            cpu_tables[-1] += cpu_table(columns, baseline)
     print(format_table(header, [row + [""] * (len(header) - len(row)) for row in rows]))
-    print()
-    print("\n".join(summaries))
+    print("\n" + "\n".join(summaries))
+    for table in cpu_tables:
+        print(f"\n{table}")
 
 
 @contextlib.contextmanager
@@ -272,17 +354,6 @@ def split_app_args(threads: int) -> dict[str, object]:
         "model_config": {"intra_op_threads": threads},
         "deployment_options": {name: share for name in models},
     }
-
-
-def measure_service(
-    topology: str, faces: list[Path], ages: list[Path], in_process: dict[str, float], args: argparse.Namespace
-) -> list[list[str]]:
-    with (
-        tempfile.TemporaryDirectory(prefix="facesearch-bench-") as data_dir,
-        benchmarked_service(Path(data_dir), topology, args.threads) as service,
-    ):
-        token = service.token_for(service.new_client("bench"))
-        return asyncio.run(service_rows(service.base_url, token, faces, ages, in_process, args))
 
 
 if __name__ == "__main__":

@@ -3,9 +3,7 @@
     python -m bench.vector_search [--backend lite|server] [--sizes 1000000 10000000] [--queries 200]
                                   [--indexes HNSW IVF_SQ8 IVF_FLAT] [--nprobe 16 32 64] [--ef 64 128]
                                   [--small-share 0.01] [--consistency Bounded] [--flat-max-rows N]
-                                  [--skip-flat] [--switch-early] [--nlist N] [--unfiltered]
-                                  [--compare-filters]
-                                  [--data-dir DIR] [--lock FILE]
+                                  [--skip-flat] [--switch-early] [--nlist N] [--data-dir DIR]
 
 Backends: `lite` is milvus-lite 2.5.1 (the default install; its IVF_FLAT ignores nprobe and it has no
 HNSW); `server` is the standalone Milvus 2.3.5 of the `milvus` wheel (a dev dependency), started in a
@@ -16,29 +14,18 @@ The server runs with a few settings of its own (SERVER_SETTINGS: garbage collect
 bounded message log, segments sealed at 90 % of their size so each is indexed once), which a 10 M fill
 needs on one disk and two cores.
 
-Data: 256-d unit vectors (face model v2's dimension) from a fixed seed, shaped like the service's own
-embeddings. Every chunk of 10,000 rows is 2,000 people with 5 photos each; a photo is
-normalise(mean + centre + noise): `mean` is one direction shared by every face (norm MEAN_NORM), a person's
-`centre` is Gaussian with a decaying eigen-spectrum (variance of the k-th of 256 random orthogonal
-directions proportional to k^-SPECTRUM_DECAY, total CENTRE_VARIANCE: an effective dimension, the
-participation ratio, of about 112), and `noise` is isotropic with total variance NOISE_VARIANCE scaled per
-photo by a log-normal factor (NOISE_SPREAD), since photos differ in quality. A share of the chunks
-(--small-share, 1 % by default: every 100th chunk) belongs to a small tenant, the rest to one big tenant.
-Queries are new photos (fresh noise) of enrolled people, half of each tenant. Exact top 10 is computed in
-numpy chunk by chunk while inserting, so the bench never holds the whole gallery in memory (10 M x 256
-floats is 10 GB).
-
-Why these parameters: the fused face-model-v2 embeddings of the 1,489 identity photos of
-../shared/testdata/faces-calib (measured 2026-11-25 with bench.face_embeddings; only these summary figures
-were kept) have stranger-pair cosines of mean 0.639, sd 0.040, percentiles 1 / 50 / 99 / 99.9 / 99.99 at
-0.547 / 0.639 / 0.732 / 0.762 / 0.784 (1.1 M pairs, max 0.826), same-person cosines of mean 0.872, sd
-0.047, percentiles 5 / 50 at 0.802 / 0.876 (1,504 pairs); the mean embedding has norm 0.80 (so strangers
-share ~0.64 of cosine) and the spread around it is far from isotropic (the first 16 of 256 principal
-directions hold 32 % of the variance). The generator gives stranger cosines of mean 0.643, sd 0.043,
-percentiles 1 / 50 / 99 / 99.9 / 99.99 at 0.530 / 0.645 / 0.732 / 0.756 / 0.774, and same-person cosines
-of mean 0.872, sd 0.034, percentiles 5 / 50 at 0.809 / 0.876. The earlier generator (random unit centres:
-strangers near-orthogonal at 0 +- 0.06) made every neighbour past a person's own photos a near-tie, where
-recall@10 says little; here the top 10 has the realistic mix of a person's photos and look-alikes.
+Data: 256-d unit vectors (face model v2's dimension) from a fixed seed, shaped like the service's fused
+embeddings. Every chunk of 10,000 rows is 2,000 people with 5 photos each; a photo is normalise(mean +
+centre + noise): `mean` is one direction every face shares (norm MEAN_NORM), a person's `centre` is
+Gaussian with a decaying spectrum (variance of the k-th of 256 random orthogonal directions ~
+k^-SPECTRUM_DECAY, total CENTRE_VARIANCE), and `noise` is isotropic (NOISE_VARIANCE), scaled per photo by
+a log-normal factor (NOISE_SPREAD). Fitted to faces-calib's 1,489 identity photos (2026-11-25): their
+stranger-pair cosines have mean 0.639, sd 0.040, p99 / p99.9 / p99.99 0.732 / 0.762 / 0.784 (1.1 M pairs),
+same-person cosines mean 0.872, p5 0.802 (1,504 pairs); the generator gives 0.643, 0.043, 0.732 / 0.756 /
+0.774 and 0.872, 0.809. So a query's top 10 is its own person's photos and realistic look-alikes. Every
+100th chunk (--small-share) belongs to a small tenant, the rest to one big tenant. Queries are new photos of
+enrolled people, half of each tenant; the exact top 10 is computed in numpy chunk by chunk while inserting,
+so the bench never holds the whole gallery in memory.
 
 Two recalls per row: recall@10 against the exact top 10, and "match recall", the share of the matches the
 service would return that the index finds: exact neighbours in the top 10 at or above the service's match
@@ -48,26 +35,16 @@ such exact matches per query (the rest of a person's photos fall below the bar, 
 same-person pairs do at a 1 M gallery).
 
 Inserts go through MilvusGalleryStore (the service's code path) under exact FLAT search; unless
---skip-flat the queries are timed on it. Then a store with an index policy naming the first of --indexes
-opens the collection, finds it past --flat-max-rows and switches it (a new collection beside it, built and
-loaded, then swapped in; bench/index_switch.py times that under load), as the insert crossing the threshold
-would. A switch at the end of a 10 M fill would hold every float and
-the build at once (beyond 24 GiB): with --switch-early the inserting store itself carries that policy and
-switches when an insert crosses --flat-max-rows, as the service does, so the server indexes each segment
-as it seals; after the fill the bench flushes and times the wait until the index covers every row and
-the query node holds only sealed segments with their index. Either way the queries are then timed once
-per --nprobe (IVF) or --ef (HNSW) value; --unfiltered adds a row per value with the big tenant's queries
-searched without the store's filter expression (its tenant term), which tells the filter's cost from the
-index's. --compare-filters times, per value and tenant, the filter the store used before
-(`tenant_id == ... and model_version == ...`; the model version term is redundant with the per-version
-collection) and the store's own search on the same queries, interleaved query by query (the order
-alternating), and prints both side by side in a second table. --nlist sets the IVF indexes' nlist (default:
-the store's). Each further index replaces the previous one by release, drop, build and load (build time
-measured likewise).
-Searches run one at a time, as the worker does, after 10 untimed warm-up queries. Memory: the RSS of
-the Milvus process at its peak during the fill (sampled between inserts) and once each index is loaded
-(the allocator may keep some of the previous index's pages: the first index's figure is the clean one),
-and the size of its data directory. One server per size. Cores may be shared: compare rows of one run.
+--skip-flat the queries are timed on it. Then a store whose index policy names the first of --indexes
+finds the collection past --flat-max-rows and switches it, as the insert crossing the threshold would. With
+--switch-early (a 10 M fill: a switch at its end would hold every float and the build at once) the
+inserting store itself carries that policy, as the service does, so the server indexes each segment as it
+seals; after the fill the bench times the wait until the index covers every row. The queries are then
+timed once per --nprobe (IVF) or --ef (HNSW) value, and, when the rows use another consistency, once at
+the service's default Strong. Each further index replaces the previous one (release, drop, build, load).
+Searches run one at a time, as the worker does, after 10 untimed warm-up queries. Memory: the Milvus
+process's RSS at its peak during the fill and once each index is loaded, and its data directory's size.
+One server per size. Cores may be shared: compare rows of one run.
 """
 
 from __future__ import annotations
@@ -76,7 +53,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import fcntl
 import functools
 import os
 import statistics
@@ -85,14 +61,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from bench.common import format_table
+from bench.common import format_table, percentile
 from models.calibration import FaceScoreCalibration
 from models.embedder import FUSED_DIM
-from serve_app.domain.faces import GalleryEntry, GalleryMatch
+from serve_app.domain.faces import GalleryEntry
 from serve_app.launch.embedded import EmbeddedMilvus
 from serve_app.settings import MilvusSettings
 from serve_app.stores.milvus_gallery import (
@@ -100,7 +76,6 @@ from serve_app.stores.milvus_gallery import (
     LARGE_INDEXES,
     IndexPolicy,
     MilvusGalleryStore,
-    milvus_string,
 )
 
 DIM = FUSED_DIM  # face model v2
@@ -271,99 +246,24 @@ class Recall:
     matches_per_query: float  # mean number of exact matches per query
 
 
-class Searcher(Protocol):
-    async def search(
-        self, tenant_id: str, embedding: np.ndarray, limit: int, min_similarity: float
-    ) -> list[GalleryMatch]: ...
-
-
-FILTERS = ("none", "tenant", "tenant+version")
-
-
-class Filtered:
-    """The store's search with a filter expression of the bench's choosing: "none" searches the whole
-    collection, every partition; "tenant" is the store's own filter; "tenant+version" is the filter the
-    store used before it dropped the redundant model_version term (`tenant_id == ... and model_version ==
-    ...`). What the filter costs, told apart from the index's own work (--unfiltered, --compare-filters)."""
-
-    def __init__(
-        self, uri: str, collection: str, params: dict[str, int], consistency: str, terms: str
-    ) -> None:
-        from pymilvus import MilvusClient
-
-        if terms not in FILTERS:
-            raise ValueError(f"terms must be one of {FILTERS}")
-        self._client = MilvusClient(uri=uri, timeout=600)
-        self._collection, self._params, self._consistency = collection, params, consistency
-        self._terms = terms
-
-    def expression(self, tenant_id: str) -> str:
-        if self._terms == "none":
-            return ""
-        tenant = f"tenant_id == {milvus_string(tenant_id)}"
-        if self._terms == "tenant":
-            return tenant
-        return f"{tenant} and model_version == {milvus_string(MODEL_VERSION)}"
-
-    async def search(
-        self, tenant_id: str, embedding: np.ndarray, limit: int, min_similarity: float
-    ) -> list[GalleryMatch]:
-        def search() -> list[Any]:
-            result: list[Any] = self._client.search(
-                self._collection, data=[embedding.tolist()], limit=limit, output_fields=[],
-                filter=self.expression(tenant_id), consistency_level=self._consistency,
-                search_params={"metric_type": "IP", "params": self._params},
-            )  # fmt: skip
-            return list(result[0]) if result else []
-
-        hits = await asyncio.to_thread(search)
-        return [GalleryMatch(str(hit["id"]), float(hit["distance"])) for hit in hits]
-
-    def close(self) -> None:
-        self._client.close()
-
-
-async def time_searches(store: Searcher, queries: Queries, bar: float) -> tuple[list[float], Recall]:
-    """Latencies (ms, warm-up excluded) and recalls (Recall) of the queries, one search at a time."""
-    return (await time_interleaved([store], queries, bar))[0]
-
-
-async def time_interleaved(
-    stores: list[Searcher], queries: Queries, bar: float
-) -> list[tuple[list[float], Recall]]:
-    """time_searches for several searchers at once: each query is searched by every one in turn, the order
-    reversed every other query, so a disturbance of the machine falls on all of them alike."""
-    timings: list[list[float]] = [[] for _ in stores]
-    hits, found_matches = [0] * len(stores), [0] * len(stores)
-    matches_total = 0
-    for store in stores:
-        for warm in queries.probes[:10]:
-            await store.search(queries.tenant, warm, K, -1.0)
-    for number, (probe, truth, scores) in enumerate(
-        zip(queries.probes, queries.best_ids, queries.best_scores, strict=True)
-    ):
+async def time_searches(
+    store: MilvusGalleryStore, queries: Queries, bar: float
+) -> tuple[list[float], Recall]:
+    """Latencies (ms, warm-up excluded) and recalls of the queries, one search at a time."""
+    for warm in queries.probes[:10]:
+        await store.search(queries.tenant, warm, K, -1.0)
+    timings: list[float] = []
+    hits = found_matches = matches_total = 0
+    for probe, truth, scores in zip(queries.probes, queries.best_ids, queries.best_scores, strict=True):
         exact = {int(t) for t, score in zip(truth, scores, strict=True) if score >= bar}
         matches_total += len(exact)
-        order = list(enumerate(stores))
-        for which, store in order if number % 2 == 0 else reversed(order):
-            started = time.perf_counter()
-            matches = await store.search(queries.tenant, probe, K, -1.0)
-            timings[which].append((time.perf_counter() - started) * 1000)
-            found = {int(m.face_id[1:]) for m in matches}
-            hits[which] += len(found & {int(t) for t in truth})
-            above = {int(m.face_id[1:]) for m in matches if m.similarity >= bar}
-            found_matches[which] += len(above & exact)
+        started = time.perf_counter()
+        matches = await store.search(queries.tenant, probe, K, -1.0)
+        timings.append((time.perf_counter() - started) * 1000)
+        hits += len({int(m.face_id[1:]) for m in matches} & {int(t) for t in truth})
+        found_matches += len({int(m.face_id[1:]) for m in matches if m.similarity >= bar} & exact)
     count = len(queries.probes)
-    return [
-        (timings[which], Recall(hits[which] / (K * count), found_matches[which] / max(1, matches_total),
-                                matches_total / count))
-        for which in range(len(stores))
-    ]  # fmt: skip
-
-
-def percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
+    return timings, Recall(hits / (K * count), found_matches / max(1, matches_total), matches_total / count)
 
 
 def rss_mib(pid: int | None) -> float:
@@ -436,41 +336,6 @@ def milvus(backend: str, scratch: Path) -> Iterator[Server]:
         link.teardown()
 
 
-def set_nice(pid: int | None, value: int) -> None:
-    """Every thread of the process at this nice value (Linux: each thread has its own)."""
-    if pid is None:
-        return
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            os.setpriority(os.PRIO_PROCESS, int(tid), value)
-
-
-@contextlib.contextmanager
-def timed_phase(lock: Path | None, server_pid: int | None, loads: list[float]) -> Iterator[None]:
-    """The timed searches on a shared machine: one heavy job at a time (an exclusive flock on `lock`, when
-    given) and at normal priority for this process and the server (the bench may run under `nice`, which
-    the long inserts and builds should: raising the priority back needs root). Notes the 1-minute load
-    average at the start into `loads`."""
-    handle = lock.open("a") if lock is not None else None
-    niced = os.getpriority(os.PRIO_PROCESS, 0)
-    try:
-        if handle is not None:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        loads.append(os.getloadavg()[0])
-        if niced > 0:
-            with contextlib.suppress(PermissionError):
-                set_nice(os.getpid(), 0)
-                set_nice(server_pid, 0)
-        yield
-    finally:
-        if niced > 0:
-            with contextlib.suppress(PermissionError):
-                set_nice(server_pid, niced)
-                set_nice(os.getpid(), niced)
-        if handle is not None:
-            handle.close()  # releases the lock
-
-
 def rebuild(uri: str, collection: str, index: str, params: dict[str, int]) -> None:
     """Replace the collection's index (release, drop, build, load), as the store's switch does."""
     from pymilvus import MilvusClient
@@ -489,7 +354,7 @@ def rebuild(uri: str, collection: str, index: str, params: dict[str, int]) -> No
 
 async def bench_size(
     server: Server, size: int, args: argparse.Namespace
-) -> tuple[list[list[str]], list[str], list[list[str]]]:
+) -> tuple[list[list[str]], list[str]]:
     chunk = min(CHUNK, size // SMALL_EVERY)  # at least SMALL_EVERY chunks: the small tenant gets its share
     chunks = size // chunk
     queries = [
@@ -518,29 +383,10 @@ async def bench_size(
         server.uri, index_policy=policy_for(args.indexes[0]) if args.switch_early else None, **common
     )
     rows: list[list[str]] = []
-    loads: list[float] = []
-
-    def timed() -> contextlib.AbstractContextManager[None]:
-        return timed_phase(args.lock, server.pid, loads)
-
-    compared: list[list[str]] = []
-
-    def comparison(
-        tenant: str,
-        index: str,
-        params: str,
-        before: tuple[list[float], Recall],
-        after: tuple[list[float], Recall],
-    ) -> list[str]:
-        cells = [f"{size:,}", tenant, index, params]
-        for timings, recall in (before, after):
-            cells += [f"{statistics.median(timings):.1f}", f"{percentile(timings, 0.95):.1f}",
-                      f"{recall.at_k:.4f}", f"{recall.matches:.4f}"]  # fmt: skip
-        return cells
 
     def row(label: str, index: str, params: str, timings: list[float], recall: Recall) -> list[str]:
         return [f"{size:,}", label, index, params, f"{statistics.median(timings):.1f}",
-                f"{percentile(timings, 0.95):.1f}", f"{recall.at_k:.4f}", f"{recall.matches:.4f}",
+                f"{percentile(timings, 95):.1f}", f"{recall.at_k:.4f}", f"{recall.matches:.4f}",
                 f"{recall.matches_per_query:.2f}"]  # fmt: skip
 
     async def time_index(index: str, policy: IndexPolicy, key: str, values: list[int]) -> None:
@@ -548,28 +394,12 @@ async def bench_size(
             tuned = MilvusGalleryStore(
                 server.uri, index_policy=dataclasses.replace(policy, search_params={key: value}), **common
             )
-            old = Filtered(server.uri, store.collection, {key: value}, args.consistency, "tenant+version")
             try:
                 for query in queries:
-                    if args.compare_filters:
-                        # The filter before (tenant and model version) and the store's (tenant alone),
-                        # interleaved query by query: the pair shares whatever else the machine does.
-                        before, after = await time_interleaved([old, tuned], query, bars[query.tenant])
-                        rows.append(row(query.tenant, index, f"{key}={value}, tenant+version", *before))
-                        compared.append(comparison(query.tenant, index, f"{key}={value}", before, after))
-                    else:
-                        after = await time_searches(tuned, query, bars[query.tenant])
-                    rows.append(row(query.tenant, index, f"{key}={value}", *after))
+                    timings, recall = await time_searches(tuned, query, bars[query.tenant])
+                    rows.append(row(query.tenant, index, f"{key}={value}", timings, recall))
             finally:
                 await tuned.close()
-                old.close()
-            if args.unfiltered:
-                unfiltered = Filtered(server.uri, store.collection, {key: value}, args.consistency, "none")
-                try:
-                    timings, recall = await time_searches(unfiltered, queries[0], bars[BIG])
-                    rows.append(row(BIG, index, f"{key}={value}, no filter", timings, recall))
-                finally:
-                    unfiltered.close()
         if args.consistency != "Strong":  # what the service's default consistency adds
             strong = MilvusGalleryStore(
                 server.uri, index_policy=dataclasses.replace(policy, search_params={key: values[0]}),
@@ -600,10 +430,9 @@ async def bench_size(
                          f"RSS {rss_mib(server.pid):,.0f} MiB loaded")  # fmt: skip
             print(f"  {notes[-1]}", flush=True)
         elif not args.skip_flat:
-            with timed():
-                for query in queries:
-                    timings, recall = await time_searches(store, query, bars[query.tenant])
-                    rows.append(row(query.tenant, "FLAT", "-", timings, recall))
+            for query in queries:
+                timings, recall = await time_searches(store, query, bars[query.tenant])
+                rows.append(row(query.tenant, "FLAT", "-", timings, recall))
             notes.append(f"RSS {rss_mib(server.pid):,.0f} MiB with FLAT")
     finally:
         await store.close()
@@ -628,18 +457,16 @@ async def bench_size(
             notes.append(f"{index}: build+load {build_s:.0f} s, RSS {rss_mib(server.pid):,.0f} MiB loaded")
             print(f"  {notes[-1]}", flush=True)
         key, values = ("ef", args.ef) if index == "HNSW" else ("nprobe", args.nprobe)
-        with timed():
-            await time_index(index, policy, key, values)
+        await time_index(index, policy, key, values)
     notes.append(f"data dir {dir_mib(server.data_dir):,.0f} MiB")
-    notes.append("1-min load average at the timed phases: " + ", ".join(f"{load:.1f}" for load in loads))
+    notes.append(f"1-min load average at the end: {os.getloadavg()[0]:.1f}")
     print(f"  N={size:,}: " + "; ".join(notes), flush=True)
-    return rows, notes, compared
+    return rows, notes
 
 
 async def main_async(args: argparse.Namespace) -> None:
     rows: list[list[str]] = []
     notes: list[str] = []
-    compared: list[list[str]] = []
     name = ""
     for size in args.sizes:
         with (
@@ -647,9 +474,8 @@ async def main_async(args: argparse.Namespace) -> None:
             milvus(args.backend, Path(scratch)) as server,
         ):
             name = server.name
-            size_rows, size_notes, size_compared = await bench_size(server, size, args)
+            size_rows, size_notes = await bench_size(server, size, args)
             rows += size_rows
-            compared += size_compared
             notes.append(f"N={size:,}: " + "; ".join(size_notes))
     header = [
         "N",
@@ -667,17 +493,6 @@ async def main_async(args: argparse.Namespace) -> None:
         f"time, consistency {args.consistency}; small tenant {1 / SMALL_EVERY:.1%} of the rows"
     )
     print(format_table(header, rows))
-    if compared:
-        print(
-            "\nThe store's filter before (tenant_id and model_version) and after (tenant_id alone), "
-            "on the same queries:"
-        )
-        sides = ("p50 ms", "p95 ms", "recall@10", "match recall")
-        print(format_table(
-            ["N", "searched tenant", "index", "search", *(f"before {c}" for c in sides),
-             *(f"after {c}" for c in sides)],
-            compared,
-        ))  # fmt: skip
     for note in notes:
         print(note)
 
@@ -708,22 +523,9 @@ def main() -> None:
         "does), so the server indexes segments as they seal; the wait for the rest is timed after the fill",
     )  # fmt: skip
     parser.add_argument(
-        "--unfiltered", action="store_true",
-        help="one more row per search value: the big tenant's queries without the store's filter expression",
-    )  # fmt: skip
-    parser.add_argument(
-        "--compare-filters", action="store_true",
-        help="per search value and tenant, the store's filter before it dropped the model_version term "
-        "(tenant and model version), interleaved with the store's own (tenant alone); a table of both",
-    )  # fmt: skip
-    parser.add_argument(
         "--nlist", type=int, default=None, help="IVF build parameter (default: the store's, 1024)"
     )
     parser.add_argument("--data-dir", type=Path, default=None, help="where the servers keep their data")
-    parser.add_argument(
-        "--lock", type=Path, default=None,
-        help="a file to flock for each timed phase (one heavy job at a time on a shared machine)",
-    )  # fmt: skip
     args = parser.parse_args()
     global SMALL_EVERY
     if not 0 < args.small_share <= 0.5:
