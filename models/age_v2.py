@@ -210,6 +210,10 @@ class FaceresAgeEstimator(SessionRunner):
     def estimate(self, views: np.ndarray) -> list[AgeEstimate]:
         return [self.from_probabilities(row) for row in self.probabilities(views)]
 
+    def check(self) -> None:
+        """One face's views through the model (a health check); raises what a broken session raises."""
+        self.estimate(np.zeros((1, VIEWS_PER_FACE, INPUT_SIZE, INPUT_SIZE, 3), dtype=np.uint8))
+
     def from_probabilities(self, probabilities: np.ndarray) -> AgeEstimate:
         corrected = self.calibration.correct(float(probabilities @ AGE_CLASS_VALUES))
         bands = self.calibration.bands

@@ -12,6 +12,9 @@ one by one (each loads only what it needs from ModelConfig):
     assemble(faces, results,      AnalyzedFace lists (quality is measured by the cropper for every face)
              qualities)
 
+Which model serves each stage, and from which files, is models.registry's; load_runner builds the batch
+runner of one stage (or of the whole analysis) for a model server.
+
 Every stage takes and returns numpy arrays and frozen dataclasses, so they pickle across processes.
 """
 
@@ -28,32 +31,22 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 
 from models.age_policy import age_faces as policy_age_faces
-from models.age_v2 import INPUT_SIZE as AGE_INPUT_SIZE
 from models.age_v2 import VIEWS_PER_FACE as AGE_VIEWS_PER_FACE
-from models.age_v2 import (
-    AgeCalibration,
-    FaceresAgeEstimator,
-    face_views,
-)
-from models.align import FaceAligner
+from models.age_v2 import face_views
 from models.arrays import to_rgb
-from models.calibration import FaceScoreCalibration
-from models.chips import CHIP_SIZE as SFACE_CHIP_SIZE
 from models.chips import aligned_chips
-from models.detector import DetectorOptions, FaceDetector, LetterboxedImage, letterbox
+from models.detector import DetectorOptions, LetterboxedImage, letterbox
 from models.embedder import CHIP_SIZE as DESCRIPTOR_CHIP_SIZE
-from models.embedder import FaceEmbedder, FusedEmbedder, SFaceEmbedder
 from models.quality import DEFAULT_QUALITY_THRESHOLDS, QualityThresholds, assess_quality
+from models.registry import MODELS, AgeEstimator, Aligner, Detector, Embedder, ModelEntry, Stage
+from models.runners import AnalysisRunner, BatchRunner
 from models.sessions import DEFAULT_PROVIDER_PREFERENCE, SessionOptions
 from models.types import AgeEstimate, AnalyzedFace, DetectedFace, FaceQuality
 from models.types import largest_face as largest_face  # re-exported: callers import it from here
-from models.weights import CONVERTED, converted, resolve
 
 logger = logging.getLogger(__name__)
 
-# The registry weights the loaders read as they are (the converted models are CONVERTED's).
-_DETECTOR_WEIGHTS = "yunet_2023mar_int8bq"
-_LANDMARK_WEIGHTS = "dlib_shape5"
+_M = TypeVar("_M")
 
 # dlib's recipe for its ResNet descriptor (dnn_face_recognition_ex.cpp): 150 px chip, 25 % padding.
 DESCRIPTOR_CHIP_PADDING = 0.25
@@ -108,42 +101,41 @@ class ModelConfig:
             gpu_run_size=gpu_run_size,
         )
 
+    def requires_accelerator(self) -> bool:
+        """Whether the sessions refuse to start without the accelerator the preference puts first."""
+        return self._if_preferred_missing() == "fail"
+
     def _if_preferred_missing(self) -> Literal["fallback", "warn", "fail"]:
         if not self.provider_preference or self.provider_preference[0] == "CPUExecutionProvider":
             return "fallback"
         return "warn" if self.allow_cpu_fallback else "fail"
 
     def verify_files(self) -> None:
-        """Every file the loaders below read, verified by sha256 without building a session: WeightFileError
-        naming the file and the fix. For a launcher, before it starts the processes that load them."""
-        for name in (_DETECTOR_WEIGHTS, _LANDMARK_WEIGHTS):
-            resolve(name)
-        for name in CONVERTED:
-            converted(name, self.models_dir)
+        """Every file the registry's models load, verified by sha256 without building a session:
+        WeightFileError naming the file and the fix. For a launcher, before it starts the processes that
+        load them."""
+        for entry in MODELS.entries().values():
+            entry.files(self.models_dir)
 
-    # Each loader verifies its weight files by sha256 (WeightFileError names the file and the fix); the
-    # converted ones are built beforehand by `facesearch models fetch`, never here.
-    def load_detector(self) -> FaceDetector:
-        options = self.session_options(self.gpu_image_run_size)
-        return FaceDetector(converted(_DETECTOR_WEIGHTS, self.models_dir), self.detector, options)
+    def load(self, entry: ModelEntry[_M]) -> _M:
+        """A registry entry's model: its files verified by sha256 (WeightFileError names the file and the
+        fix; the converted ones are built beforehand by `facesearch models fetch`, never here), its sessions
+        sized to the rows of its GPU runs."""
+        run_sizes = {"images": self.gpu_image_run_size, "faces": self.gpu_face_run_size}
+        run_size = run_sizes[entry.gpu_rows] if entry.gpu_rows else 0
+        return entry.load(entry.files(self.models_dir), self.session_options(run_size), self)
+
+    def load_detector(self) -> Detector:
+        return self.load(MODELS.detector)
 
     def load_cropper(self) -> FaceCropper:
-        return FaceCropper(FaceAligner(resolve(_LANDMARK_WEIGHTS)))
+        return FaceCropper(self.load(MODELS.landmarks))
 
-    def load_embedder(self) -> FusedEmbedder:
-        """Face model v2: dlib ResNet and SFace, fused into one vector with the calibrated weights."""
-        options = self.session_options(self.gpu_face_run_size)
-        return FusedEmbedder(
-            FaceEmbedder(converted("dlib_resnet_v1", self.models_dir), options),
-            SFaceEmbedder(converted("sface_2021dec_int8bq", self.models_dir), options),
-            FaceScoreCalibration.load(),
-        )
+    def load_embedder(self) -> Embedder:
+        return self.load(MODELS.embedder)
 
-    def load_age_estimator(self) -> FaceresAgeEstimator:
-        """age-v2 (faceres-deep), converted by `facesearch models fetch`."""
-        calibration = AgeCalibration.load()
-        model = converted("faceres_deep", self.models_dir)
-        return FaceresAgeEstimator(model, self.session_options(self.gpu_face_run_size), calibration)
+    def load_age_estimator(self) -> AgeEstimator:
+        return self.load(MODELS.age)
 
     def letterboxer(self) -> Callable[[np.ndarray], LetterboxedImage]:
         """The detector's image preparation, for a process that sends letterboxed images to a detector
@@ -187,7 +179,7 @@ class FaceCropper:
     and of the other faces the age rules need."""
 
     def __init__(
-        self, aligner: FaceAligner, quality_thresholds: QualityThresholds = DEFAULT_QUALITY_THRESHOLDS
+        self, aligner: Aligner, quality_thresholds: QualityThresholds = DEFAULT_QUALITY_THRESHOLDS
     ) -> None:
         self.aligner = aligner
         self.quality_thresholds = quality_thresholds
@@ -245,10 +237,10 @@ def _chunks(rows: _Rows, counts: Sequence[int]) -> list[_Rows]:
 class FaceAnalyzer:
     def __init__(
         self,
-        detector: FaceDetector,
+        detector: Detector,
         cropper: FaceCropper,
-        embedder: FusedEmbedder,
-        age_estimator: FaceresAgeEstimator,
+        embedder: Embedder,
+        age_estimator: AgeEstimator,
     ) -> None:
         self.detector = detector
         self.cropper = cropper
@@ -345,24 +337,9 @@ class FaceAnalyzer:
 
     def check(self) -> None:
         """Health check: one tiny run through every model; raises whatever a broken session raises."""
-        probe_detector(self.detector)
-        probe_embedder(self.embedder)
-        probe_age(self.age_estimator)
-
-
-def probe_detector(detector: FaceDetector) -> None:
-    detector.detect([np.zeros((64, 64, 3), dtype=np.uint8)])
-
-
-def probe_embedder(embedder: FusedEmbedder) -> None:
-    embedder.embed(
-        np.zeros((1, DESCRIPTOR_CHIP_SIZE, DESCRIPTOR_CHIP_SIZE, 3), dtype=np.uint8),
-        np.zeros((1, SFACE_CHIP_SIZE, SFACE_CHIP_SIZE, 3), dtype=np.uint8),
-    )
-
-
-def probe_age(estimator: FaceresAgeEstimator) -> None:
-    estimator.estimate(np.zeros((1, AGE_VIEWS_PER_FACE, AGE_INPUT_SIZE, AGE_INPUT_SIZE, 3), dtype=np.uint8))
+        self.detector.check()
+        self.embedder.check()
+        self.age_estimator.check()
 
 
 def load_face_analyzer(config: ModelConfig) -> FaceAnalyzer:
@@ -380,3 +357,15 @@ def load_face_analyzer(config: ModelConfig) -> FaceAnalyzer:
         config.intra_op_threads,
     )
     return analyzer
+
+
+def load_runner(stage: Literal["analysis"] | Stage, config: ModelConfig) -> BatchRunner:
+    """The batch runner of the whole analysis or of one stage (its registry entry's runner), with only its
+    own models loaded (each verified by sha256)."""
+    if stage == "analysis":
+        return AnalysisRunner(load_face_analyzer(config))
+    entry = MODELS.entry(stage)
+    if entry.runner is None:
+        raise ValueError(f"the {stage} model runs inside the worker, not behind a runner of its own")
+    runner: BatchRunner = entry.runner(config.load(entry))
+    return runner

@@ -297,6 +297,10 @@ class FaceDetector(SessionRunner):
     def detect(self, images: Sequence[np.ndarray]) -> list[list[DetectedFace]]:
         return self.detect_prepared([self.prepare(image) for image in images])
 
+    def check(self) -> None:
+        """One tiny run (a health check); raises what a broken session raises."""
+        self.detect([np.zeros((64, 64, 3), dtype=np.uint8)])
+
     def _run(self, batch: Sequence[LetterboxedImage]) -> dict[str, np.ndarray]:
         """One inference: each head's outputs for every anchor, strides concatenated, [N, anchors, C]."""
         # Converted (for the shipped file) while copied into the batch: no uint8 stack in between.

@@ -138,3 +138,9 @@ class FusedEmbedder:
         return fuse_vectors(
             unit_rows(self.dlib.embed(dlib_chips)), self.sface.embed(sface_chips), self.weights
         )
+
+    def check(self) -> None:
+        """One face through both descriptors (a health check); raises what a broken session raises."""
+        self.embed(
+            np.zeros((1, *CHIP_SHAPE), dtype=np.uint8), np.zeros((1, *SFACE_CHIP_SHAPE), dtype=np.uint8)
+        )

@@ -1,39 +1,56 @@
 """Batch runners: what a model server runs on a batch of requests gathered from many callers.
 
-One runner per stage of FaceAnalyzer (detector, descriptor, age) and one for the whole analysis; each loads
-only the models it needs from ModelConfig. They know nothing of the server around them: serve_app wraps any
-of them in the one batched model deployment (serve_app/deployments/models.py), and the worker's split
-analysis (serve_app/deployments/analysis.py) calls the stage runners across handles and assembles their
-answers with FaceAnalyzer.assemble, the same assembly as the in-process path.
+One runner per stage that can run in a deployment of its own (detector, descriptor, age: models.registry
+names each entry's runner) and one for the whole analysis. They know nothing of the server around them:
+serve_app wraps any of them in the one batched model deployment (serve_app/deployments/models.py), and the
+worker's split analysis (serve_app/deployments/analysis.py) calls the stage runners across handles and
+assembles their answers with FaceAnalyzer.assemble, the same assembly as the in-process path.
+models.analyzer.load_runner builds one with only its own models loaded.
 
 Every runner answers one output per request, each a sequence with one entry per face (so a server can
-count faces without knowing the stage), and `check()` runs every model it owns once on a tiny input.
+count faces without knowing the stage), and `check()` runs every model it owns once on a tiny input. The
+runners take any model with the methods they call (the protocols below), so a stage's new model reuses its
+runner.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
-from models.age_v2 import FaceresAgeEstimator
-from models.analyzer import (
-    FaceAnalyzer,
-    ModelConfig,
-    load_face_analyzer,
-    probe_age,
-    probe_detector,
-    probe_embedder,
-)
 from models.chips import CHIP_SIZE as SFACE_CHIP_SIZE
-from models.detector import FaceDetector, LetterboxedImage
+from models.detector import LetterboxedImage
 from models.embedder import CHIP_SIZE as DLIB_CHIP_SIZE
-from models.embedder import FUSED_DIM, FusedEmbedder
+from models.embedder import FUSED_DIM
 from models.types import AgeEstimate, AnalyzedFace, DetectedFace
 
-Stage = Literal["analysis", "detector", "embedder", "age"]
+
+class Checks(Protocol):
+    def check(self) -> None:
+        """One tiny run through the model; raises what a broken session raises."""
+
+
+class DetectsPrepared(Checks, Protocol):
+    def detect_prepared(self, batch: Sequence[LetterboxedImage]) -> list[list[DetectedFace]]: ...
+
+
+class EmbedsChips(Checks, Protocol):
+    def embed(self, dlib_chips: np.ndarray, sface_chips: np.ndarray) -> np.ndarray: ...
+
+
+class EstimatesAge(Checks, Protocol):
+    def estimate(self, views: np.ndarray) -> list[AgeEstimate]: ...
+
+
+class AnalyzesEach(Checks, Protocol):
+    """models.analyzer.FaceAnalyzer, as the analysis runner uses it."""
+
+    def analyze_each(
+        self, images: Sequence[np.ndarray], needs: Sequence[tuple[bool, bool]]
+    ) -> list[list[AnalyzedFace]]: ...
 
 
 class BatchRunner(Protocol):
@@ -114,7 +131,7 @@ class AnalysisRunner:
     """The whole analysis in one process: one detector run over all images, one descriptor run and one age
     run over the faces of the requests that need each."""
 
-    def __init__(self, analyzer: FaceAnalyzer) -> None:
+    def __init__(self, analyzer: AnalyzesEach) -> None:
         self.analyzer = analyzer
 
     def run(self, items: Sequence[AnalysisRequest], max_faces_per_run: int) -> list[list[AnalyzedFace]]:
@@ -129,22 +146,22 @@ class AnalysisRunner:
 
 
 class DetectorRunner:
-    """YuNet over letterboxed images (the caller letterboxes, so only fixed-size arrays travel)."""
+    """A detector over letterboxed images (the caller letterboxes, so only fixed-size arrays travel)."""
 
-    def __init__(self, detector: FaceDetector) -> None:
+    def __init__(self, detector: DetectsPrepared) -> None:
         self.detector = detector
 
     def run(self, items: Sequence[LetterboxedImage], max_faces_per_run: int) -> list[list[DetectedFace]]:
         return self.detector.detect_prepared(items)
 
     def check(self) -> None:
-        probe_detector(self.detector)
+        self.detector.check()
 
 
 class EmbedderRunner:
-    """Face model v2 vectors (dlib ResNet + SFace, fused) for aligned chips, in runs of faces."""
+    """Face vectors (face model v2: dlib ResNet + SFace, fused) for aligned chips, in runs of faces."""
 
-    def __init__(self, embedder: FusedEmbedder) -> None:
+    def __init__(self, embedder: EmbedsChips) -> None:
         self.embedder = embedder
 
     def run(self, items: Sequence[DescriptorChips], max_faces_per_run: int) -> list[np.ndarray]:
@@ -155,30 +172,17 @@ class EmbedderRunner:
         return self.embedder.embed(*unpair(paired))
 
     def check(self) -> None:
-        probe_embedder(self.embedder)
+        self.embedder.check()
 
 
 class AgeRunner:
-    """Age estimates (faceres-deep) for the 224 px views of each face, in runs of faces."""
+    """Age estimates for the 224 px views of each face, in runs of faces."""
 
-    def __init__(self, estimator: FaceresAgeEstimator) -> None:
+    def __init__(self, estimator: EstimatesAge) -> None:
         self.estimator = estimator
 
     def run(self, items: Sequence[np.ndarray], max_faces_per_run: int) -> list[list[AgeEstimate]]:
         return in_runs(items, max_faces_per_run, self.estimator.estimate)
 
     def check(self) -> None:
-        probe_age(self.estimator)
-
-
-def load_runner(stage: Stage, config: ModelConfig) -> BatchRunner:
-    """The runner of one stage, with only its own models loaded (each verified by sha256)."""
-    if stage == "analysis":
-        return AnalysisRunner(load_face_analyzer(config))
-    if stage == "detector":
-        return DetectorRunner(config.load_detector())
-    if stage == "embedder":
-        return EmbedderRunner(config.load_embedder())
-    if stage == "age":
-        return AgeRunner(config.load_age_estimator())
-    raise ValueError(f"unknown model stage {stage!r}")
+        self.estimator.check()

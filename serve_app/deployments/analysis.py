@@ -4,17 +4,18 @@ built in the worker's replica, so the models load there and never travel through
 
 - OwnModels (CPU, one machine): the worker owns the models; concurrent transactions are batched into
   AnalysisRunner runs in the worker's own process, without a handle hop (ModelAnalysis).
-- ModelDeployments (GPU): FaceAnalyzer's stages across the detector, embedder and age deployments
-  (SplitAnalysis). The worker letterboxes and aligns locally, so only fixed-size arrays cross the handles:
-  a uint8 640x640 letterboxed image to the detector, 150 px (dlib) and 112 px (SFace) chips to the embedder,
-  and the subject's 224 px views to the age model. Each model runs only when the transaction needs it
-  (face search: no age model; age estimation: embedders only when enrolling), and the answers are put
-  together by FaceAnalyzer.assemble, as in one process.
+- ModelDeployments (GPU cluster): FaceAnalyzer's stages across the model deployments, one per stage that
+  models.registry gives a deployment (SplitAnalysis). The worker letterboxes and aligns locally, so only
+  fixed-size arrays cross the handles: a uint8 640x640 letterboxed image to the detector, 150 px (dlib)
+  and 112 px (SFace) chips to the embedder, and the subject's 224 px views to the age model. Each model
+  runs only when the transaction needs it (face search: no age model; age estimation: embedders only when
+  enrolling), and the answers are put together by FaceAnalyzer.assemble, as in one process.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -22,6 +23,7 @@ import numpy as np
 from ray.serve.handle import DeploymentHandle
 
 from models.analyzer import FaceAnalyzer, FaceCrops, FaceResults, ModelConfig
+from models.registry import Stage
 from models.runners import AnalysisRequest, DescriptorChips
 from models.types import AgeEstimate, AnalyzedFace, DetectedFace
 from serve_app.deployments.models import RunnerBatcher
@@ -112,13 +114,12 @@ class OwnModels:
 
 @dataclass(frozen=True)
 class ModelDeployments:
-    """The models run in their own deployments (the GPU topology); Serve turns the bound deployments into
-    handles in the worker's replica."""
+    """The models run in their own deployments (the split topology): one handle per stage that has one
+    (models.registry); Serve turns the bound deployments into handles in the worker's replica."""
 
-    detector: DeploymentHandle[Any]
-    embedder: DeploymentHandle[Any]
-    age: DeploymentHandle[Any]
+    handles: Mapping[Stage, DeploymentHandle[Any]]
     model_config: dict[str, Any] = field(default_factory=dict)
 
     def build(self) -> WorkerAnalysis:
-        return SplitAnalysis(self.detector, self.embedder, self.age, self.model_config)
+        handles = self.handles
+        return SplitAnalysis(handles["detector"], handles["embedder"], handles["age"], self.model_config)

@@ -2,25 +2,25 @@
 deployment that serves one.
 
 CPU (one machine): no model deployment; the transaction worker owns a RunnerBatcher of the whole analysis,
-because on a 2-core box every deployment hop costs about as much CPU as a model. GPU config:
-FaceDetectorModel, FaceEmbedderModel and AgeModel, each with a fractional GPU so it scales on its own. All
-three are BatchedModel under the name the config files use, bound to a different stage; their user_config is
-user_config.BatchConfig.
+because on a 2-core box every deployment hop costs about as much CPU as a model. Split topology: one
+deployment per model that models.registry gives one, each BatchedModel under the name its entry gives
+(MODEL_DEPLOYMENTS), bound to its stage; their user_config is user_config.BatchConfig.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from ray import serve
 
-from models.analyzer import ModelConfig
-from models.runners import BatchRunner, Stage, load_runner
+from models.analyzer import ModelConfig, load_runner
+from models.registry import Stage
+from models.runners import BatchRunner
 from serve_app.deployments.batch_merging import BatchMerger
 from serve_app.deployments.lanes import InferenceLane
 from serve_app.deployments.metrics import ModelMetrics
-from serve_app.deployments.user_config import BatchConfig
+from serve_app.deployments.user_config import MODEL_DEPLOYMENTS, BatchConfig
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,10 @@ class RunnerBatcher:
     place frees up (BatchMerger), up to max_batch_size requests."""
 
     def __init__(
-        self, stage: Stage, model_config: dict[str, Any] | None = None, concurrent_batches: int = 1
+        self,
+        stage: Literal["analysis"] | Stage,
+        model_config: dict[str, Any] | None = None,
+        concurrent_batches: int = 1,
     ) -> None:
         self._runner: BatchRunner = load_runner(stage, ModelConfig.from_dict(model_config or {}))
         self._lane = InferenceLane(concurrent_batches)
@@ -89,8 +92,9 @@ class BatchedModel:
         await self._batcher.check()
 
 
-# The deployments the GPU topology and its config files name (serve_app.launch.topology.DEPLOYMENTS).
-# (Serve's decorator returns a Deployment, which its type hints do not say.)
-FaceDetectorModel = cast(Any, BatchedModel).options(name="FaceDetectorModel")
-FaceEmbedderModel = cast(Any, BatchedModel).options(name="FaceEmbedderModel")
-AgeModel = cast(Any, BatchedModel).options(name="AgeModel")
+def model_deployment(name: str) -> Any:
+    """The split topology's deployment of that name (user_config.MODEL_DEPLOYMENTS), to bind with its stage.
+    (Serve's decorator returns a Deployment, which its type hints do not say.)"""
+    if name not in MODEL_DEPLOYMENTS:
+        raise ValueError(f"no model deployment {name!r}; the registry's: {sorted(MODEL_DEPLOYMENTS)}")
+    return cast(Any, BatchedModel).options(name=name)

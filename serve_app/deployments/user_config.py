@@ -1,6 +1,7 @@
-"""The deployments' `user_config` shapes: what a Serve config may set on running replicas. Pydantic models
-that reject unknown keys, so a typo fails the deploy with a message naming the key. No Ray here: the
-launcher (serve_app.launch.deploy_config) checks a config file with them before it starts anything.
+"""The application's deployments by the names the config files use (USER_CONFIGS, the one table of them),
+and their `user_config` shapes: what a Serve config may set on running replicas. Pydantic models that
+reject unknown keys, so a typo fails the deploy with a message naming the key. No Ray here: the launcher
+(serve_app.launch.deploy_config) checks a config file with them before it starts anything.
 """
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from models.registry import MODELS, Stage
 
 
 class Strict(BaseModel):
@@ -43,14 +46,19 @@ class NoUserConfig(Strict):
     """Deployments that take no user_config (any key is a mistake)."""
 
 
-# Deployment name -> the model of its user_config. The names are those of the deployments in
-# serve_app/deployments (a unit test checks that they agree).
+# The deployments every topology has: the ingress and the transaction worker (their classes in
+# serve_app/deployments carry these names; a unit test checks that they agree).
+INGRESS = "ApiIngress"
+WORKER = "TransactionWorker"
+# The split topology's model deployments, by name: one per model the registry gives a deployment, and the
+# stage each serves.
+MODEL_DEPLOYMENTS: dict[str, Stage] = MODELS.deployments()
+
+# Every deployment name -> the model of its user_config; serve_app.launch.topology.DEPLOYMENTS reads it.
 USER_CONFIGS: dict[str, type[BaseModel]] = {
-    "ApiIngress": NoUserConfig,
-    "TransactionWorker": WorkerConfig,
-    "FaceDetectorModel": BatchConfig,
-    "FaceEmbedderModel": BatchConfig,
-    "AgeModel": BatchConfig,
+    INGRESS: NoUserConfig,
+    WORKER: WorkerConfig,
+    **dict.fromkeys(MODEL_DEPLOYMENTS, BatchConfig),
 }
 
 

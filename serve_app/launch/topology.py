@@ -5,8 +5,9 @@ worker's analysis backend.
 launcher (`facesearch start`) and the tests call bind_app. Two topologies:
 - in_process (CPU, one machine; the default): ApiIngress and TransactionWorker, the worker owning the models
   (OwnModels), so a transaction costs no handle hop. The worker is scaled on the queue's backlog.
-- split (GPU): ApiIngress -> TransactionWorker -> FaceDetectorModel, FaceEmbedderModel, AgeModel
-  (ModelDeployments: the worker holds their handles).
+- split (GPU cluster): ApiIngress -> TransactionWorker -> one deployment per model that models.registry gives
+  one (ModelDeployments: the worker holds their handles). When the config requires CUDA, each model
+  deployment asks for its registry share of a GPU unless the config sets its ray_actor_options.
 The ingress holds the worker's handle only so the worker is part of the application; work passes between
 them through Redis (the transaction stream), never through that handle.
 
@@ -26,7 +27,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from serve_app.deployments.user_config import Strict, validate_user_config
+from serve_app.deployments.user_config import (
+    INGRESS,
+    MODEL_DEPLOYMENTS,
+    USER_CONFIGS,
+    WORKER,
+    Strict,
+    validate_user_config,
+)
 from serve_app.settings import Settings
 
 if TYPE_CHECKING:
@@ -34,11 +42,10 @@ if TYPE_CHECKING:
 
 Topology = Literal["in_process", "split"]
 
-# The deployments of each topology, by the names the config files use (a unit test checks them against
-# the deployment classes).
+# The deployments of each topology, by the names the config files use (user_config's table).
 DEPLOYMENTS: dict[Topology, tuple[str, ...]] = {
-    "in_process": ("ApiIngress", "TransactionWorker"),
-    "split": ("ApiIngress", "TransactionWorker", "FaceDetectorModel", "FaceEmbedderModel", "AgeModel"),
+    "in_process": (INGRESS, WORKER),
+    "split": tuple(USER_CONFIGS),
 }
 
 
@@ -98,30 +105,38 @@ def build_app(args: dict[str, Any]) -> Application:
 
 def bind_app(args: dict[str, Any] | AppArgs) -> Application:
     """The application graph for these args; its deployments read their settings in their replicas."""
+    from models.analyzer import ModelConfig
+    from models.registry import MODELS
     from serve_app.deployments.analysis import AnalysisRecipe, ModelDeployments, OwnModels
     from serve_app.deployments.ingress import ApiIngress
-    from serve_app.deployments.models import AgeModel, FaceDetectorModel, FaceEmbedderModel
+    from serve_app.deployments.models import model_deployment
     from serve_app.deployments.worker import TransactionWorker
 
     app_args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
     _require_backends()
     model_config = app_args.models
 
-    def configured(deployment: Any) -> Any:  # Serve's decorator leaves the class type to type checkers
-        extra = app_args.deployment_options.get(deployment.name)
+    def configured(deployment: Any, defaults: dict[str, Any] | None = None) -> Any:
+        # Serve's decorator leaves the class type to type checkers. The config's options win over defaults.
+        extra = {**(defaults or {}), **app_args.deployment_options.get(deployment.name, {})}
         return deployment.options(**extra) if extra else deployment
 
     analysis: AnalysisRecipe
     if app_args.topology == "in_process":
         analysis = OwnModels(model_config, app_args.concurrent_batches)
     else:
+        requires_gpu = ModelConfig.from_dict(model_config).requires_accelerator()
+        handles = {}
+        for name, stage in MODEL_DEPLOYMENTS.items():
+            deployment = model_deployment(name)
+            share = MODELS.entry(stage).gpu_share
+            # Serve replaces ray_actor_options as a whole: the defaults carry the deployment's CPU too.
+            defaults = {"ray_actor_options": {**deployment.ray_actor_options, "num_gpus": share}}
+            handles[stage] = configured(deployment, defaults if requires_gpu and share else None).bind(
+                stage, model_config
+            )
         # Bound deployments inside the recipe: Serve finds them there and hands the worker their handles.
-        analysis = ModelDeployments(
-            detector=configured(FaceDetectorModel).bind("detector", model_config),
-            embedder=configured(FaceEmbedderModel).bind("embedder", model_config),
-            age=configured(AgeModel).bind("age", model_config),
-            model_config=model_config,
-        )
+        analysis = ModelDeployments(handles, model_config)
     worker = configured(TransactionWorker).bind(analysis)
     app: Application = configured(ApiIngress).bind(worker)
     return app

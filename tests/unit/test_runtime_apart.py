@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from models import weights
-from models.analyzer import ModelConfig
+from models.analyzer import ModelConfig, load_runner
 from models.errors import WeightFileError
-from models.runners import Stage, load_runner
+from models.registry import Stage
 
 REPO = Path(__file__).resolve().parents[2]
 

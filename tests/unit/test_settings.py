@@ -201,12 +201,13 @@ def test_a_shipped_config_with_a_typo_is_rejected() -> None:
 
 def test_deploy_config_names_match_the_deployments() -> None:
     from serve_app.deployments.ingress import ApiIngress
-    from serve_app.deployments.models import AgeModel, FaceDetectorModel, FaceEmbedderModel
+    from serve_app.deployments.models import model_deployment
+    from serve_app.deployments.user_config import MODEL_DEPLOYMENTS
     from serve_app.deployments.worker import TransactionWorker
 
     # Serve's decorator returns Deployments, which its type hints do not say.
-    deployments: tuple[Any, ...] = (ApiIngress, TransactionWorker, FaceDetectorModel, FaceEmbedderModel)
-    names = {d.name for d in (*deployments, AgeModel)}
+    deployments: tuple[Any, ...] = (ApiIngress, TransactionWorker, *map(model_deployment, MODEL_DEPLOYMENTS))
+    names = {d.name for d in deployments}
     assert names == set(USER_CONFIGS) == {name for names in DEPLOYMENTS.values() for name in names}
 
 
