@@ -24,6 +24,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import httpx
 
 from serve_app.deployments.autoscaling import BACKLOG_METRIC
+from serve_app.deployments.user_config import MODEL_DEPLOYMENTS
 from serve_app.launch.deploy_config import load_serve_config
 from tests.faces_dev import load_faces_dev
 from tests.integration.api_client import age_estimation, auth, face_search_json
@@ -36,7 +37,7 @@ SPLIT_ARGS: dict[str, Any] = {
     "model_config": {"intra_op_threads": 1},
     "deployment_options": {
         name: {"ray_actor_options": {"num_cpus": 0.5}}
-        for name in ("FaceDetectorModel", "FaceEmbedderModel", "AgeModel")
+        for name in MODEL_DEPLOYMENTS
     },
 }
 
