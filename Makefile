@@ -57,11 +57,13 @@ fuzz-random: install
 test: lint docs
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
+# What a release runs on a CPU machine (docs/performance.md); bench.gpu and bench.gpu_service need a GPU.
 bench: install
 	$(PY) -m bench.accuracy
-	$(PY) -m bench.speed
+	$(PY) -m bench.identification
+	$(PY) -m bench.age
 	$(PY) -m bench.vector_search --sizes 100000
-	$(PY) -m bench.stores
+	$(PY) -m bench.service
 
 # The offline kit (docs/offline-kit.md): wheels for KIT_PYTHON on KIT_PLATFORM, redis-server, the converted
 # models and install.sh, in parts of at most 60 MB, for a machine with no package index.

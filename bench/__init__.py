@@ -1,4 +1,4 @@
-"""Benchmarks of the model layer on the shared dev photos.
+"""What a user or a release measures: accuracy, age, the service, vector search, GPUs (docs/performance.md).
 
-Run from the repository root: `python -m bench.accuracy`, `python -m bench.speed`.
+Run from the repository root: `python -m bench.accuracy`, `python -m bench.service`, ... (`make bench`).
 """

@@ -200,8 +200,7 @@ def photo_faces(
     return PhotoFaces(**arrays)
 
 
-# faces-wild groups (lower bound -> upper bound, None for 70+) and the age each stands for when the
-# correction's ends are fitted (only the groups outside faces-calib's ages 5-70 are used there).
+# faces-wild's perceived-age groups: lower bound -> upper bound (None for 70+).
 WILD_GROUPS: dict[int, int | None] = {0: 2, 3: 9, 10: 19, 20: 29, 30: 39, 40: 49, 50: 59, 60: 69, 70: None}
 
 
@@ -266,7 +265,7 @@ def calibration_split(photos: PhotoSet) -> np.ndarray:
     if photos.name == "faces-dev":
         return mask
     rng = np.random.default_rng(SPLIT_SEED)
-    for _, group in age_groups(photos):
+    for group in age_groups(photos):
         members = rng.permutation(np.flatnonzero(group))
         mask[members[: (len(members) + 1) // 2]] = True
     return mask
@@ -694,14 +693,11 @@ def curve_table(
     return format_table(header, table)
 
 
-def age_groups(photos: PhotoSet) -> list[tuple[str, np.ndarray]]:
-    """(label, mask) per age group: FairFace's groups for faces-wild, GROUPS for the others."""
+def age_groups(photos: PhotoSet) -> list[np.ndarray]:
+    """A mask per age group: FairFace's groups for faces-wild, GROUPS for the others."""
     if photos.name == "faces-wild":
-        return [
-            (f"{low}-{high}" if high is not None else f"{low}+", photos.ages == low)
-            for low, high in WILD_GROUPS.items()
-        ]
-    return [(f"{low}-{high}", (photos.ages >= low) & (photos.ages <= high)) for low, high in GROUPS]
+        return [photos.ages == low for low in WILD_GROUPS]
+    return [(photos.ages >= low) & (photos.ages <= high) for low, high in GROUPS]
 
 
 def disagreements(photos: PhotoSet, made: list[AgeDecision | None]) -> list[str]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import resource
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -53,9 +52,3 @@ def best_seconds(run: Callable[[_Arg], object], argument: _Arg, repeats: int) ->
 def tile_to(chips: np.ndarray, count: int) -> np.ndarray:
     """`count` chips taken cyclically from the real ones, so every batch holds real faces."""
     return chips[np.arange(count) % len(chips)]
-
-
-def process_cpu_seconds() -> float:
-    """User + system CPU of this process so far."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime

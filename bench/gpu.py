@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from bench.common import best_seconds, format_table, load_image, process_cpu_seconds, tile_to
+from bench.common import best_seconds, format_table, load_image, tile_to
 from models.analyzer import FaceAnalyzer, ModelConfig, load_face_analyzer
 from models.arrays import to_rgb
 from models.weights import converted
@@ -96,17 +96,6 @@ def placement_rows(config: ModelConfig) -> list[list[str]]:
     return rows
 
 
-def session_rows(analyzer: FaceAnalyzer) -> list[list[str]]:
-    """The providers of the sessions the service's own loader built (what create_session settled on)."""
-    runners = {
-        "detector": analyzer.detector.providers,
-        "dlib descriptor": analyzer.embedder.dlib.providers,
-        "SFace descriptor": analyzer.embedder.sface.providers,
-        "age": analyzer.age_estimator.providers,
-    }
-    return [[name, ", ".join(providers)] for name, providers in runners.items()]
-
-
 def model_rows(analyzer: FaceAnalyzer, images: Sequence[np.ndarray], repeats: int) -> list[list[str]]:
     detections = analyzer.detect(images)
     crops = [analyzer.align_and_crop(image, found) for image, found in zip(images, detections, strict=True)]
@@ -134,7 +123,7 @@ def staged_pass(
 ) -> tuple[float, dict[str, float]]:
     """Wall seconds of one pass over the images, `batch` per call, and seconds per stage (and of CPU)."""
     stages: dict[str, float] = dict.fromkeys(STAGES, 0.0)
-    cpu_started, started = process_cpu_seconds(), time.perf_counter()
+    cpu_started, started = time.process_time(), time.perf_counter()
     for first in range(0, len(images), batch):
         chunk = images[first : first + batch]
         clock = time.perf_counter()
@@ -156,7 +145,7 @@ def staged_pass(
         if age_sets:
             analyzer.age_estimator.estimate(np.concatenate(age_sets))
         stages["age"] += time.perf_counter() - clock
-    stages["CPU"] = process_cpu_seconds() - cpu_started
+    stages["CPU"] = time.process_time() - cpu_started
     return time.perf_counter() - started, stages
 
 
@@ -187,8 +176,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = ModelConfig(provider_preference=CUDA_FIRST)  # CUDA first is a requirement: no quiet fallback
     analyzer = load_face_analyzer(config)
     print(f"GPU memory used with the four sessions loaded: {nvidia_smi('memory.used')} MiB")
-    print("\n# Sessions built by the service's loader (CUDA first, required)")
-    print(format_table(["model", "session providers"], session_rows(analyzer)))
     print("\n# Node placement (ONNX Runtime profiler, one run at batch 4)")
     print(format_table(["model", "nodes on CUDA", "nodes elsewhere"], placement_rows(config)))
 
@@ -212,13 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     rows += pipeline_rows(f"CPU, {args.cpu_threads} intra-op thread(s)", cpu, images, batches)
     print(f"\n# Whole in-process pipeline, one process ({len(images)} dev photos per pass)")
-    header = [
-        "models on",
-        "images/call",
-        "pass",
-        "images/s",
-        *(f"{stage} ms/image" for stage in (*STAGES, "CPU")),
-    ]
+    header = ["models on", "images/call", "pass", "images/s", *(f"{s} ms/image" for s in (*STAGES, "CPU"))]
     print(format_table(header, rows))
     return 0
 

@@ -76,22 +76,20 @@ def _cpu_only(cores: int) -> dict[str, Any]:
     }
 
 
-def _shipped_gpu(cores: int) -> dict[str, Any]:
-    return load_serve_config(SHIPPED_GPU).args.model_dump(by_alias=True)
-
-
-def _split(cores: int) -> dict[str, Any]:
-    return load_serve_config(SPLIT_GPU).args.model_dump(by_alias=True)
+def _shipped(config: Path) -> Callable[[int], dict[str, Any]]:
+    """A shipped config's application, whatever the box's cores."""
+    return lambda cores: load_serve_config(config).args.model_dump(by_alias=True)
 
 
 LAYOUTS: dict[str, Layout] = {
     "cpu-only": Layout("in_process, CPU only: workers x 2 cores, 2 batches each", _cpu_only),
     "gpu-workers-4": Layout(
-        "in_process, 4 workers x (3 cores, 1/4 GPU), 3 batches each (config/serve-gpu.yaml)", _shipped_gpu
+        "in_process, 4 workers x (3 cores, 1/4 GPU), 3 batches each (config/serve-gpu.yaml)",
+        _shipped(SHIPPED_GPU),
     ),
     "split": Layout(
         "split: a deployment per model, 1/4 GPU each; 2 workers (config/serve-gpu-cluster.yaml)",
-        _split,
+        _shipped(SPLIT_GPU),
         direct_ingress=False,
     ),
 }
@@ -247,16 +245,9 @@ def main() -> None:
             print(f"{name} failed: {error!r}", flush=True)
             continue
         for clients, rate, latencies, failures in measured:
-            rows.append(
-                [
-                    f"{name}: {layout.description}",
-                    str(clients),
-                    f"{rate:.1f}",
-                    f"{rate / cuda:.0%}",
-                    *(f"{percentile(latencies, q) * 1000:.0f}" for q in (50, 95, 99)),
-                    str(failures),
-                ]
-            )
+            cells = [f"{name}: {layout.description}", str(clients), f"{rate:.1f}", f"{rate / cuda:.0%}"]
+            cells += [f"{percentile(latencies, q) * 1000:.0f}" for q in (50, 95, 99)]
+            rows.append([*cells, str(failures)])
             print(rows[-1], flush=True)
         print(f"{name}: {time.monotonic() - layout_started:.0f} s", flush=True)
     print(format_table(header, [row + [""] * (len(header) - len(row)) for row in rows]))

@@ -22,7 +22,6 @@ and the table cosine -> per-comparison false-match rate (FMR) the service's scor
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import json
 import math
@@ -59,7 +58,7 @@ FMR_FLOOR_LOG10 = -10.0  # score 1.0
 # ---- embeddings -------------------------------------------------------------------------------------------
 
 
-CACHE_VERSION = "4"
+CACHE_VERSION = "5"
 QUALITY_FIELDS = ("face_size_px", "detector_score", "sharpness", "yaw", "pitch", "roll_deg")
 
 
@@ -87,93 +86,52 @@ def _cache_path(images: list[LabelledImage]) -> Path:
 
 
 def extract(images: list[LabelledImage], threads: int = 2, use_cache: bool = True) -> PhotoSet:
-    """The largest face of each photo: its dlib and SFace descriptors and its quality measurements."""
+    """The largest face of each photo: its dlib and SFace descriptors and its quality measurements, judged
+    by today's quality bars (the measurements are cached, the verdicts are not)."""
     cache = _cache_path(images)
     if use_cache and cache.is_file():
-        data = np.load(cache, allow_pickle=False)
-        return with_current_gate(
-            PhotoSet(
-                names=[str(v) for v in data["names"]],
-                identities=[str(v) for v in data["identities"]],
-                found=data["found"],
-                dlib=data["dlib"],
-                sface=data["sface"],
-                quality=data["quality"],
-                enrol_ok=data["enrol_ok"],
-                search_ok=data["search_ok"],
-                reasons=[str(v) for v in data["reasons"]],
-            )
-        )
-    config = ModelConfig(intra_op_threads=threads)
-    detector, cropper = config.load_detector(), config.load_cropper()
-    options = SessionOptions(intra_op_threads=threads)
-    dlib_embedder = FaceEmbedder(converted("dlib_resnet_v1"), options)
-    sface = SFaceEmbedder(converted("sface_2021dec_int8bq"), options)
+        with np.load(cache, allow_pickle=False) as data:
+            found, dlib_v, sface_v, quality = (data[k] for k in ("found", "dlib", "sface", "quality"))
+    else:
+        config = ModelConfig(intra_op_threads=threads)
+        detector, cropper = config.load_detector(), config.load_cropper()
+        options = SessionOptions(intra_op_threads=threads)
+        dlib_embedder = FaceEmbedder(converted("dlib_resnet_v1"), options)
+        sface = SFaceEmbedder(converted("sface_2021dec_int8bq"), options)
+        found = np.zeros(len(images), bool)
+        dlib_v, sface_v = np.zeros((len(images), 128), np.float32), np.zeros((len(images), 128), np.float32)
+        quality = np.full((len(images), len(QUALITY_FIELDS)), np.nan)
+        started = time.perf_counter()
+        for index, item in enumerate(images):
+            rgb = to_rgb(load_image(item.path))
+            faces = detector.detect([rgb])[0]
+            if not faces:
+                continue
+            face = max(faces, key=lambda found_face: found_face.area)
+            found[index] = True
+            crops = cropper(rgb, [face], embed=True, estimate_age=False)
+            assert crops.descriptor_chips is not None
+            dlib_v[index] = dlib_embedder.embed(crops.descriptor_chips)[0]
+            chip = align_chip(rgb, face.landmarks)[None]
+            sface_v[index] = sface.embed(chip)[0]
+            measured = assess_quality(face, chip[0])
+            quality[index] = [getattr(measured, name) for name in QUALITY_FIELDS]
+            if index % 200 == 199:
+                print(
+                    f"  {index + 1}/{len(images)} photos, {time.perf_counter() - started:.0f} s", flush=True
+                )
+        np.savez(cache, found=found, dlib=dlib_v, sface=sface_v, quality=quality)
     n = len(images)
-    found = np.zeros(n, bool)
-    dlib_v = np.zeros((n, 128), np.float32)
-    sface_v = np.zeros((n, 128), np.float32)
-    quality = np.full((n, len(QUALITY_FIELDS)), np.nan)
-    enrol_ok = np.zeros(n, bool)
-    search_ok = np.zeros(n, bool)
-    reasons = [""] * n
-    started = time.perf_counter()
-    for index, item in enumerate(images):
-        rgb = to_rgb(load_image(item.path))
-        faces = detector.detect([rgb])[0]
-        if not faces:
-            reasons[index] = "no_face"
-            continue
-        face = max(faces, key=lambda found_face: found_face.area)
-        found[index] = True
-        crops = cropper(rgb, [face], embed=True, estimate_age=False)
-        assert crops.descriptor_chips is not None
-        dlib_v[index] = dlib_embedder.embed(crops.descriptor_chips)[0]
-        chip = align_chip(rgb, face.landmarks)[None]
-        sface_v[index] = sface.embed(chip)[0]
-        q = assess_quality(face, chip[0])
-        quality[index] = [getattr(q, name) for name in QUALITY_FIELDS]
-        enrol_ok[index], search_ok[index] = q.enrol_ok, q.search_ok
-        reasons[index] = "+".join(q.reasons)
-        if index % 200 == 199:
-            print(f"  {index + 1}/{n} photos, {time.perf_counter() - started:.0f} s", flush=True)
-    result = PhotoSet(
-        names=[item.path.name for item in images],
-        identities=[item.identity or item.path.name for item in images],
-        found=found,
-        dlib=dlib_v,
-        sface=sface_v,
-        quality=quality,
-        enrol_ok=enrol_ok,
-        search_ok=search_ok,
-        reasons=reasons,
-    )
-    np.savez(
-        cache,
-        names=np.asarray(result.names),
-        identities=np.asarray(result.identities),
-        found=found,
-        dlib=dlib_v,
-        sface=sface_v,
-        quality=quality,
-        enrol_ok=enrol_ok,
-        search_ok=search_ok,
-        reasons=np.asarray(reasons),
-    )
-    return result
-
-
-def with_current_gate(photos: PhotoSet) -> PhotoSet:
-    """The quality verdicts re-judged from the cached measurements with today's thresholds."""
-    enrol_ok = photos.enrol_ok.copy()
-    search_ok = photos.search_ok.copy()
-    reasons = list(photos.reasons)
-    for index in np.flatnonzero(photos.found):
-        size, score, sharpness, yaw, pitch, roll = (float(v) for v in photos.quality[index])
+    enrol_ok, search_ok, reasons = np.zeros(n, bool), np.zeros(n, bool), ["no_face"] * n
+    for row in np.flatnonzero(found):
+        index = int(row)
+        size, score, sharpness, yaw, pitch, roll = (float(v) for v in quality[index])
         verdict = judge_quality(size, score, sharpness, Pose(yaw=yaw, pitch=pitch, roll_deg=roll))
         enrol_ok[index], search_ok[index] = verdict.enrol_ok, verdict.search_ok
         reasons[index] = "+".join(verdict.reasons)
-    return dataclasses.replace(photos, enrol_ok=enrol_ok, search_ok=search_ok, reasons=reasons)
+    names = [item.path.name for item in images]
+    identities = [item.identity or item.path.name for item in images]
+    return PhotoSet(names, identities, found, dlib_v, sface_v, quality, enrol_ok, search_ok, reasons)
 
 
 @dataclass(frozen=True)
@@ -360,13 +318,8 @@ def model_table(label: str, photos: PhotoSet, weights: tuple[float, float]) -> s
         )
     genuine_n, impostor_n = pair_scores(np.zeros((len(photos.names),) * 2), photos.identities, photos.found)
     trial_sizes = run_trial(variants(photos, weights)[1], photos.identities, photos.found)
-    header = [
-        "model",
-        *[f"TAR@FAR {far:g}" for far in FARS],
-        "EER",
-        "rank-1",
-        *[f"FNIR@FPIR {int(f * 100)}%" for f in FPIRS],
-    ]
+    header = ["model", *(f"TAR@FAR {far:g}" for far in FARS), "EER", "rank-1"]
+    header += [f"FNIR@FPIR {int(f * 100)}%" for f in FPIRS]
     return (
         f"## {label}: {int(photos.found.sum())}/{len(photos.names)} photos with a face; "
         f"{len(genuine_n)} genuine / {len(impostor_n)} impostor pairs; 1:N (2 folds): "

@@ -477,17 +477,8 @@ async def main_async(args: argparse.Namespace) -> None:
             size_rows, size_notes = await bench_size(server, size, args)
             rows += size_rows
             notes.append(f"N={size:,}: " + "; ".join(size_notes))
-    header = [
-        "N",
-        "searched tenant",
-        "index",
-        "search",
-        "p50 ms",
-        "p95 ms",
-        "recall@10",
-        "match recall",
-        "matches/q",
-    ]
+    header = ["N", "searched tenant", "index", "search", "p50 ms", "p95 ms", "recall@10", "match recall"]
+    header.append("matches/q")
     print(
         f"\n{name}, {DIM}-d face-like unit vectors, IP, top {K}, {args.queries} queries per row, one at a "
         f"time, consistency {args.consistency}; small tenant {1 / SMALL_EVERY:.1%} of the rows"
