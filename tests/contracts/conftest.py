@@ -12,6 +12,7 @@ directory), so tests never share state through the session's servers. The real s
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -22,6 +23,7 @@ from typing import Any, TypeVar
 import pytest
 from redis.asyncio import Redis
 
+from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState, new_reference_id
 from serve_app.launch.embedded import EmbeddedMilvus, EmbeddedRedis
 from serve_app.stores.blobs import LocalBlobStore
 from serve_app.stores.interfaces import (
@@ -76,27 +78,41 @@ def run_with(opener: Opener[T], scenario: Callable[[T], Awaitable[None]]) -> Non
     asyncio.run(main())
 
 
+def make_tx(**changes: Any) -> Transaction:
+    """A queued face search (the client reference quoted, to reach the stores' escaping); `changes` override
+    any field."""
+    now = time.time()
+    fields: dict[str, Any] = {
+        "reference_id": new_reference_id(),
+        "tenant_id": "tenant-a",
+        "kind": TransactionKind.FACE_SEARCH,
+        "state": TransactionState.QUEUED,
+        "created_at": now,
+        "updated_at": now,
+        "image_key": f"uploads/{uuid.uuid4().hex}",
+        "enroll_face": True,
+        "allow_override": True,
+        "client_reference": 'ref "quoted" \\ back',
+    }
+    fields.update(changes)
+    return Transaction(**fields)
+
+
 # ------------------------------------------------------------------------------------------ servers
 
 
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     server = EmbeddedRedis(tmp_path_factory.mktemp("contracts") / "redis")
-    server.start()
-    try:
+    with server:
         yield server.url
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="session")
 def milvus_uri(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     server = EmbeddedMilvus(tmp_path_factory.mktemp("contracts") / "milvus")
-    server.start()
-    try:
+    with server:
         yield server.uri
-    finally:
-        server.stop()
 
 
 @asynccontextmanager
@@ -117,6 +133,18 @@ def _side(request: pytest.FixtureRequest, server: str) -> str | None:
     return str(request.getfixturevalue(server))
 
 
+def _redis_opener(url: str | None, fake: Callable[[], T], real: Callable[[Redis, str], T]) -> Opener[T]:
+    @asynccontextmanager
+    async def opener() -> AsyncIterator[T]:
+        if url is None:
+            yield fake()
+            return
+        async with _redis(url) as (client, prefix):
+            yield real(client, prefix)
+
+    return opener
+
+
 # ------------------------------------------------------------------------------ transactions, queue
 
 
@@ -129,36 +157,22 @@ class QueueKit:
     queue: WorkQueue
 
 
+def _fake_queue() -> QueueKit:
+    fake = FakeTransactionStore()
+    return QueueKit(fake, fake.queue)
+
+
+def _redis_queue(client: Redis, prefix: str) -> QueueKit:
+    real = RedisTransactionStore(client, prefix)
+    return QueueKit(real, real)
+
+
 @pytest.fixture(params=SIDES)
 def open_queue(request: pytest.FixtureRequest) -> Opener[QueueKit]:
-    url = _side(request, "redis_url")
-
-    @asynccontextmanager
-    async def opener() -> AsyncIterator[QueueKit]:
-        if url is None:
-            fake = FakeTransactionStore()
-            yield QueueKit(fake, fake.queue)
-            return
-        async with _redis(url) as (client, prefix):
-            real = RedisTransactionStore(client, prefix)
-            yield QueueKit(real, real)
-
-    return opener
+    return _redis_opener(_side(request, "redis_url"), _fake_queue, _redis_queue)
 
 
 # ---------------------------------------------------------------------------------- other Redis stores
-
-
-def _redis_opener(url: str | None, fake: Callable[[], T], real: Callable[[Redis, str], T]) -> Opener[T]:
-    @asynccontextmanager
-    async def opener() -> AsyncIterator[T]:
-        if url is None:
-            yield fake()
-            return
-        async with _redis(url) as (client, prefix):
-            yield real(client, prefix)
-
-    return opener
 
 
 PEPPER = "contract-test-pepper-0123456789"

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from serve_app.domain.identifiers import new_client_id
-from serve_app.stores.interfaces import ClientInfo, ClientStore, RateLimiter, request_counter_key
+from serve_app.domain.identifiers import is_client_id, new_client_id
+from serve_app.stores.interfaces import Admission, ClientInfo, ClientStore, RateLimiter, request_counter_key
 from tests.contracts.conftest import AdmissionKit, Opener, run_with
 
 # ----------------------------------------------------------------------------------------- clients
@@ -25,6 +25,8 @@ def test_a_created_client_verifies_by_id_or_secret(open_clients: Opener[ClientSt
             None,
         )
         assert before - 1 <= info.created_at <= time.time() + 1
+        # An issued client id, and a secret of 256 random bits (43 URL-safe characters).
+        assert is_client_id(info.client_id) and len(secret) >= 43
         assert await store.get(info.client_id) == info
         assert await store.verify(info.client_id, secret) == info
         assert await store.find_by_secret(secret) == info
@@ -89,10 +91,14 @@ def test_search_settings_are_set_and_cleared(open_clients: Opener[ClientStore]) 
         assert await store.verify(info.client_id, secret) == updated
         partly = await store.update_search_settings(info.client_id, 0.625, None)
         assert partly is not None and (partly.min_score, partly.max_matches) == (0.625, None)
+        assert [(c.min_score, c.max_matches) for c in await store.list()] == [(0.625, None)]
         cleared = await store.update_search_settings(info.client_id, None, None)
         assert cleared == info
-        assert await store.update_search_settings(new_client_id(), 0.5, 3) is None
+        unknown = new_client_id()
+        assert await store.update_search_settings(unknown, 0.5, 3) is None
         assert await store.update_search_settings("not-a-client-id", 0.5, 3) is None
+        assert await store.get(unknown) is None  # no record was made for it
+        assert await store.list() == [info]
 
     run_with(open_clients, scenario)
 
@@ -112,9 +118,7 @@ def test_admission_counts_active_clients_only(open_admission: Opener[AdmissionKi
             # Nothing was counted for them: a hit under their key is the first of its window.
             assert await kit.limiter.hit(request_counter_key(client_id), 1, 60) == 0
 
-        assert await kit.admission.admit(info.client_id, 3, 60) == await kit.admission.admit(
-            info.client_id, 3, 60
-        )
+        assert [await kit.admission.admit(info.client_id, 3, 60) for _ in range(2)] == [Admission(True)] * 2
         key = request_counter_key(info.client_id)
         # Both requests were counted under the limiter's key: a third event there is over a limit of 2.
         assert await kit.limiter.hit(key, 2, 60) > 0
@@ -136,6 +140,7 @@ def test_hit_counts_every_event_in_a_fixed_window(open_limiter: Opener[RateLimit
         # The refused hit was counted too: a fourth event is over a limit of 3.
         assert 1 <= await limiter.hit("k", 3, 60) <= 60
         assert await limiter.hit("other", 2, 60) == 0  # keys are independent
+        assert 1 <= await limiter.hit("none allowed", 0, 60) <= 60  # a limit of 0 refuses the first event
         await limiter.reset("k")
         assert [await limiter.hit("k", 2, 60) for _ in range(2)] == [0, 0]  # counting starts again
 

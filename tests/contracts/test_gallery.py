@@ -120,7 +120,10 @@ def test_only_the_stores_model_version_and_dimension_get_in(open_gallery: Opener
     run_with(open_gallery, scenario)
 
 
-@pytest.mark.parametrize("tenant, face_id", [("tenant a", "f-1"), ("tenant-a", 'f"1'), ("tenant-a", "")])
+@pytest.mark.parametrize(
+    "tenant, face_id",
+    [("tenant a", "f-1"), ('tenant-a" or tenant_id != "x', "f-1"), ("tenant-a", 'f"1'), ("tenant-a", "")],
+)
 def test_ids_outside_the_issued_alphabet_are_refused(
     open_gallery: Opener[GalleryStore], tenant: str, face_id: str
 ) -> None:

@@ -79,17 +79,19 @@ def test_putting_a_face_again_replaces_its_record(open_records: Opener[FaceRecor
 
 def test_latest_for_reference_is_the_newest_enrolment(open_records: Opener[FaceRecordStore]) -> None:
     async def scenario(store: FaceRecordStore) -> None:
-        old = record("tenant-a", "ref-1", 1000.0)
-        new = record("tenant-a", "ref-1", 2000.0)
+        reference = 'emp:42 "Ann" \\ O\'Neil'  # quotes, a backslash, a colon: key and script syntax
+        old = record("tenant-a", reference, 1000.0)
+        new = record("tenant-a", reference, 2000.0)
         other_reference = record("tenant-a", "ref-2", 3000.0)
-        other_tenant = record("tenant-b", "ref-1", 4000.0)
+        other_tenant = record("tenant-b", reference, 4000.0)
         for item in (new, old, other_reference, other_tenant):  # put order is not what counts
             await store.put(item)
-        assert await store.latest_for_reference("tenant-a", "ref-1") == new
+        assert await store.latest_for_reference("tenant-a", reference) == new
+        assert await store.latest_for_reference("tenant-b", reference) == other_tenant
         await store.delete("tenant-a", new.face_id)
-        assert await store.latest_for_reference("tenant-a", "ref-1") == old
+        assert await store.latest_for_reference("tenant-a", reference) == old
         await store.delete("tenant-a", old.face_id)
-        assert await store.latest_for_reference("tenant-a", "ref-1") is None
+        assert await store.latest_for_reference("tenant-a", reference) is None
         assert await store.latest_for_reference("tenant-a", "never used") is None
 
     run_with(open_records, scenario)

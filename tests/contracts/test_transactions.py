@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import time
-import uuid
-from typing import Any
+import dataclasses
 
 import pytest
 
@@ -13,7 +11,7 @@ from serve_app.domain.errors import BackendUnavailable
 from serve_app.domain.idempotency import IdempotencyClaim, IdempotencyConflict
 from serve_app.domain.outcomes import FaceMatch, FaceSearchOutcome
 from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState, new_reference_id
-from tests.contracts.conftest import Opener, QueueKit, run_with
+from tests.contracts.conftest import Opener, QueueKit, make_tx, run_with
 
 MATCHED = FaceSearchOutcome(
     is_face_found=True,
@@ -21,24 +19,6 @@ MATCHED = FaceSearchOutcome(
     matches=(FaceMatch(face_id=f"f{new_reference_id()}", score=0.875, client_reference=""),),
     enrolled=True,
 )
-
-
-def make_tx(**changes: Any) -> Transaction:
-    now = time.time()
-    fields: dict[str, Any] = {
-        "reference_id": new_reference_id(),
-        "tenant_id": "tenant-a",
-        "kind": TransactionKind.FACE_SEARCH,
-        "state": TransactionState.QUEUED,
-        "created_at": now,
-        "updated_at": now,
-        "image_key": f"uploads/{uuid.uuid4().hex}",
-        "enroll_face": True,
-        "allow_override": True,
-        "client_reference": 'ref "quoted" \\ back',
-    }
-    fields.update(changes)
-    return Transaction(**fields)
 
 
 async def enqueue(kit: QueueKit, how_many: int) -> list[Transaction]:
@@ -131,12 +111,13 @@ def test_a_final_state_is_never_overwritten(open_queue: Opener[QueueKit], first:
         (tx,) = await enqueue(kit, 1)
         await kit.transactions.mark_processing(tx.reference_id)
         if first == "complete":
-            await kit.transactions.complete(tx.reference_id, MATCHED)
+            assert await kit.transactions.complete(tx.reference_id, MATCHED) is True
             await kit.transactions.fail(tx.reference_id, "too late")
-            await kit.transactions.complete(tx.reference_id, FaceSearchOutcome(is_face_found=False))
+            late = FaceSearchOutcome(is_face_found=False)
+            assert await kit.transactions.complete(tx.reference_id, late) is False
         else:
             await kit.transactions.fail(tx.reference_id, "the image cannot be decoded")
-            await kit.transactions.complete(tx.reference_id, MATCHED)
+            assert await kit.transactions.complete(tx.reference_id, MATCHED) is False
         final = await kit.transactions.get(tx.reference_id)
         assert final is not None
         if first == "complete":
@@ -144,11 +125,35 @@ def test_a_final_state_is_never_overwritten(open_queue: Opener[QueueKit], first:
         else:
             assert (final.state, final.result) == (TransactionState.FAILED, None)
             assert final.error == "the image cannot be decoded"
+        # Finalising changes the state, its result or error and updated_at; every other field is kept.
+        unchanged = {"state", "result", "error", "updated_at"}
+        kept = {f.name for f in dataclasses.fields(Transaction)} - unchanged
+        assert {name: getattr(final, name) for name in kept} == {name: getattr(tx, name) for name in kept} | {
+            "attempts": 1
+        }
         # Finalising an unknown transaction creates nothing.
         unknown = new_reference_id()
-        await kit.transactions.complete(unknown, MATCHED)
+        assert await kit.transactions.complete(unknown, MATCHED) is False
         await kit.transactions.fail(unknown, "x")
         assert await kit.transactions.get(unknown) is None
+
+    run_with(open_queue, scenario)
+
+
+def test_a_result_is_kept_without_the_client_references_of_its_matches(open_queue: Opener[QueueKit]) -> None:
+    """A match's client_reference is joined from the face record when a result is read, so the store keeps
+    the face id and score only: a reference changed or erased later is never read from an old result."""
+
+    async def scenario(kit: QueueKit) -> None:
+        (tx,) = await enqueue(kit, 1)
+        named = FaceSearchOutcome(
+            is_face_found=True,
+            matches=(FaceMatch(face_id=MATCHED.matches[0].face_id, score=0.875, client_reference='emp "7"'),),
+            enrolled=True,
+        )
+        assert await kit.transactions.complete(tx.reference_id, named) is True
+        final = await kit.transactions.get(tx.reference_id)
+        assert final is not None and final.result == MATCHED
 
     run_with(open_queue, scenario)
 
@@ -174,6 +179,30 @@ def test_wait_final_returns_the_completion_or_the_latest_state_at_the_timeout(
         await kit.transactions.fail(finished.reference_id, "broken")
         at_once = await kit.transactions.wait_final(finished.reference_id, 0.0)
         assert at_once is not None and at_once.state == TransactionState.FAILED
+
+    run_with(open_queue, scenario)
+
+
+def test_a_final_transaction_answers_every_waiter_without_waiting_out_the_timeout(
+    open_queue: Opener[QueueKit],
+) -> None:
+    """Hour-long waits: run_with's hang guard (a minute) fails the test if one waits for its timeout."""
+
+    async def scenario(kit: QueueKit) -> None:
+        (tx,) = await enqueue(kit, 1)
+        wait = kit.transactions.wait_final
+        waiters = [asyncio.create_task(wait(tx.reference_id, 3600.0)) for _ in range(2)]
+        await asyncio.sleep(0.05)  # both are waiting
+        await kit.transactions.fail(tx.reference_id, "broken")
+        woken = await asyncio.gather(*waiters)
+        assert [t.state if t else None for t in woken] == [TransactionState.FAILED] * 2
+        # Final already: answered at once, also to a caller that read it pending just before it finished
+        # (seen_pending), however many such callers come.
+        again = await kit.transactions.wait_final(tx.reference_id, 3600.0)
+        assert again is not None and again.state == TransactionState.FAILED
+        for _ in range(3):
+            seen = await kit.transactions.wait_final(tx.reference_id, 3600.0, seen_pending=True)
+            assert seen is not None and seen.state == TransactionState.FAILED
 
     run_with(open_queue, scenario)
 
