@@ -24,17 +24,17 @@ class SessionOptions:
 
     allow_spinning: ONNX Runtime's intra-op threads busy-wait for the next operator by default. Between runs
     our pipelines do CPU work of their own (decoding, dlib alignment, chips), and on a small CPU box the
-    spinning threads take the cores that work needs: measured on 2 cores in one bench/speed.py run (it prints
-    both), turning it off raised the whole pipeline from 46 to 77 images/s and halved CPU per image.
+    spinning threads take the cores that work needs: measured on 2 cores in one run of bench/speed.py (since
+    removed), turning it off raised the whole pipeline from 46 to 77 images/s and halved CPU per image.
     """
 
     intra_op_threads: int = 1
     inter_op_threads: int = 1
     provider_preference: Sequence[str] = field(default=DEFAULT_PROVIDER_PREFERENCE)
     allow_spinning: bool = False
-    # Full optimisation and sequential execution won in the pipeline benchmark (bench/ort_settings.py on
-    # 2 cores: the extended level and the parallel executor each cost 30-70 % more CPU per image); the
-    # fields exist so that benchmark can measure the alternatives. "parallel" needs inter_op_threads > 1.
+    # Full optimisation and sequential execution won in the pipeline benchmark (bench/ort_settings.py, since
+    # removed, on 2 cores: the extended level and the parallel executor each cost 30-70 % more CPU per image);
+    # the fields let a benchmark measure the alternatives. "parallel" needs inter_op_threads > 1.
     graph_optimization: Literal["basic", "extended", "all"] = "all"
     execution_mode: Literal["sequential", "parallel"] = "sequential"
     # When the session cannot run on the first preferred provider: "fallback" takes the next one quietly
