@@ -32,7 +32,7 @@ import sysconfig
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 if TYPE_CHECKING:
     from serve_app.settings import Settings
@@ -231,7 +231,7 @@ class _EmbeddedServer:
         server.start()
         return server
 
-    def __enter__(self) -> _EmbeddedServer:
+    def __enter__(self) -> Self:
         self.start()
         return self
 
@@ -550,7 +550,7 @@ class EmbeddedServices:
         if errors:
             raise errors[0]
 
-    def __enter__(self) -> EmbeddedServices:
+    def __enter__(self) -> Self:
         self.start()
         return self
 
