@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import yaml
 
+from serve_app.deployments.user_config import INGRESS
 from serve_app.launch.topology import AppArgs
 
 # Ray Serve's own switch (read by its processes at start-up) for direct ingress: the ingress replica runs
@@ -51,7 +52,7 @@ def parse_serve_config(document: dict[str, Any]) -> ServeConfig:
     }
     direct_ingress = env_vars.get(DIRECT_INGRESS_FLAG, "0") == "1"
     if direct_ingress:
-        ingress = deployment_options.get("ApiIngress", {})
+        ingress = deployment_options.get(INGRESS, {})
         # Serve's own default is one replica, so leaving num_replicas out is fine.
         if ingress.get("num_replicas", 1) != 1 or "autoscaling_config" in ingress:
             raise ValueError(
