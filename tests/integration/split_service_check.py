@@ -35,10 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SPLIT_ARGS: dict[str, Any] = {
     "topology": "split",
     "model_config": {"intra_op_threads": 1},
-    "deployment_options": {
-        name: {"ray_actor_options": {"num_cpus": 0.5}}
-        for name in MODEL_DEPLOYMENTS
-    },
+    "deployment_options": {name: {"ray_actor_options": {"num_cpus": 0.5}} for name in MODEL_DEPLOYMENTS},
 }
 
 
