@@ -38,7 +38,7 @@ class ApiServices:
 async def api_services(request: Request) -> ApiServices:
     """The services create_app() put on this app (one app per replica). async although it never waits:
     FastAPI runs a plain `def` dependency in its thread pool, a thread hop on every request (about 5% of
-    the ingress' CPU under load, bench.service_profile)."""
+    the ingress' CPU under load; docs/performance.md)."""
     services = request.app.state.services
     assert isinstance(services, ApiServices)
     return services

@@ -137,7 +137,7 @@ def _decode_plain_jpeg(data: bytes, image: Image.Image, scale: int) -> np.ndarra
 
 def _shrink(pixels: np.ndarray, max_side: int) -> np.ndarray:
     """Scale so the longest side is max_side. Pillow's antialiased resize cost more than the decode itself
-    (22 ms for 2048 -> 1920 px, 51 ms for 3000 -> 1920 px on the 2-core box; bench.decode); OpenCV's bilinear
+    (22 ms for 2048 -> 1920 px, 51 ms for 3000 -> 1920 px on the 2-core box); OpenCV's bilinear
     takes 3-4 ms and reads every source pixel while the factor stays under 2, which the JPEG decoder's own
     reduction ensures. Larger factors (PNG) average areas instead, so nothing aliases."""
     # Imported here: the ingress imports this module for validate_image and must not load OpenCV.
