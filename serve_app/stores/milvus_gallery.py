@@ -174,6 +174,7 @@ _SWAP_WORDS = (
 )
 _MARKER_TTL_S = 1.0  # how long a store trusts its last look at whether a switch is building a collection
 _BACKFILL_BATCH = 10_000  # rows copied per step of a switch (Milvus' query limit is 16,384)
+_MAX_ITERATOR_BATCH = 16_384  # pymilvus refuses a larger query iterator batch
 
 
 @dataclass(frozen=True)
@@ -858,11 +859,14 @@ class MilvusGalleryStore:
             found: set[str] = set()
             for name in self._scanned(client, all_versions):
                 iterator = client.query_iterator(
-                    name, batch_size=limit, filter=expression, output_fields=["face_id"],
-                    timeout=self._timeout_s,
+                    name, batch_size=min(limit, _MAX_ITERATOR_BATCH), filter=expression,
+                    output_fields=["face_id"], timeout=self._timeout_s,
                 )  # fmt: skip
                 try:
-                    found.update(str(row["face_id"]) for row in iterator.next())
+                    taken = 0
+                    while taken < limit and (rows := iterator.next()):
+                        found.update(str(row["face_id"]) for row in rows)
+                        taken += len(rows)
                 finally:
                     iterator.close()
             return sorted(found)[:limit]

@@ -318,3 +318,27 @@ def test_milvus_unreachable_fails_fast() -> None:
                 await call()
 
     run(scenario)
+
+
+def test_a_page_may_be_larger_than_one_milvus_query_batch(gallery_backend: GalleryBackend) -> None:
+    """Milvus answers at most 16,384 rows per query batch and pymilvus refuses a larger batch size: a
+    page of ids asked for beyond that (as a test or an operator's tool may) is read in several batches,
+    in face id order, and says where to go on."""
+    rows = 16_500
+
+    async def scenario() -> None:
+        store = gallery(gallery_backend, dimension=2)
+        vector = np.array([1.0, 0.0], dtype=np.float32)
+        entries = [GalleryEntry(f"face-{n:05d}", "tenant-big", "v1", vector, 0.0) for n in range(rows)]
+        try:
+            await store.add(entries)
+            everything, after = await store.page_ids("tenant-big", None, 100_000)
+            assert (everything, after) == ([entry.face_id for entry in entries], None)
+            first, after = await store.page_ids("tenant-big", None, 16_400)
+            assert first == everything[:16_400] and after == everything[16_399]
+            rest, after = await store.page_ids("tenant-big", after, 16_400)
+            assert (rest, after) == (everything[16_400:], None)
+        finally:
+            await store.close()
+
+    run(scenario)
