@@ -95,7 +95,26 @@ def _tail(path: Path, lines: int = 20) -> str:
         return "(no log)"
 
 
-class _EmbeddedServer:
+class _StartedInWith:
+    """Started on entering a `with` block and stopped on leaving it, however the block ends."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+class _EmbeddedServer(_StartedInWith):
     """Process management shared by both servers: lock, pid/port file, start, attach, stop."""
 
     name = "server"
@@ -230,15 +249,6 @@ class _EmbeddedServer:
         server = cls(data_dir, port)
         server.start()
         return server
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
     # -- internals --------------------------------------------------------------------------------------
 
@@ -493,7 +503,7 @@ class EmbeddedMilvus(_EmbeddedServer):
         return server
 
 
-class EmbeddedServices:
+class EmbeddedServices(_StartedInWith):
     """Both embedded backends under one data directory (redis/ and milvus/ below it)."""
 
     def __init__(
@@ -549,15 +559,6 @@ class EmbeddedServices:
                 errors.append(error)
         if errors:
             raise errors[0]
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
 
 def start_embedded_backends(settings: Settings) -> Settings:
