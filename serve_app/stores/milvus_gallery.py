@@ -213,11 +213,14 @@ class MilvusGalleryStore:
         switch_leases: Leases | None = None,
         switch_timeout_s: float = 1800.0,
         write_clock: TenantWriteClock | None = None,
+        write_window_s: float | None = None,
     ) -> None:
         """index_policy None: exact FLAT search at any size. partition_key: create new collections with
         tenant_id as partition key where the server supports it (an existing collection keeps its
         layout). write_clock: where the "Tenant" consistency level keeps each tenant's last write
-        (without one, "Tenant" searches are Strong)."""
+        (without one, "Tenant" searches are Strong). write_window_s: how long an index switch waits for
+        writes that began before it to end; None: the longest a write of any replica can take, which only
+        a gallery with a single writer may shorten."""
         if dimension <= 0:
             raise ValueError("dimension must be positive")
         self._uri = uri
@@ -237,7 +240,8 @@ class MilvusGalleryStore:
         self._clock = write_clock
         # A write that looked for a collection being built before the switch created one ends within this
         # (its delete and insert, each within its deadline, after a look at most _MARKER_TTL_S old).
-        self._write_window_s = 2 * timeout_s + _MARKER_TTL_S + 1.0
+        longest_write_s = 2 * timeout_s + _MARKER_TTL_S + 1.0
+        self._write_window_s = longest_write_s if write_window_s is None else write_window_s
         self._build_target: tuple[float, str | None] = (-math.inf, None)  # (when looked, collection)
         self._generation_re = re.compile(re.escape(self._collection) + r"__g(\d+)")
         self._switch_task: asyncio.Task[None] | None = None

@@ -67,7 +67,7 @@ def milvus_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         server.start()
         yield server.uri
     finally:
-        server.stop()
+        server.discard()  # its data goes with the session's temporary directory
         link.teardown()
 
 

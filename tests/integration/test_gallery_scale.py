@@ -27,6 +27,10 @@ DIM = 32
 TENANTS = ("tenant-a", "tenant-b", "tenant-c")
 THRESHOLD = 900  # rows; small so the test stays quick, the mechanism is the one used at millions
 NLIST = 16
+# A switch waits out the writes other replicas began before it; where the switching store is the only
+# writer there are none, and the default wait (tens of seconds) would only slow the test. The tests with
+# several writers keep the default.
+SINGLE_WRITER_WINDOW_S = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +101,9 @@ def test_tenants_never_mix_and_index_switches_at_threshold(gallery_backend: Gall
 
     async def scenario() -> None:
         store = MilvusGalleryStore(
-            gallery_backend.uri, collection=collection, model_version="v1", dimension=DIM, index_policy=policy
-        )
+            gallery_backend.uri, collection=collection, model_version="v1", dimension=DIM,
+            index_policy=policy, write_window_s=SINGLE_WRITER_WINDOW_S,
+        )  # fmt: skip
         try:
             for tenant, vectors in per_tenant.items():
                 await store.add(entries(tenant, vectors, 0))
@@ -192,7 +197,7 @@ def test_default_policy_is_ivf_on_a_server_and_exact_on_milvus_lite(gallery_back
     async def scenario() -> None:
         store = MilvusGalleryStore(
             gallery_backend.uri, collection=fresh("default"), model_version="v1", dimension=DIM,
-            index_policy=IndexPolicy(flat_max_rows=10),
+            index_policy=IndexPolicy(flat_max_rows=10), write_window_s=SINGLE_WRITER_WINDOW_S,
         )  # fmt: skip
         try:
             await store.add([GalleryEntry(f"f{i}", "tenant-a", "v1", v, 0.0) for i, v in enumerate(vectors)])
