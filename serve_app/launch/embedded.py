@@ -181,12 +181,21 @@ class _EmbeddedServer(_StartedInWith):
             return
         self.data_dir.mkdir(parents=True, exist_ok=True)
         lock_fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        deadline = time.monotonic() + self.start_timeout_s
         try:
-            try:
-                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                self._attach()
-                return
+            while True:
+                try:
+                    fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    # Held by a live server (attach to it), by one still starting, or by one that died
+                    # a moment ago: its last threads, or a child it forked to save, hold the lock until
+                    # they end; then it is ours.
+                    if self._attached():
+                        return
+                    if time.monotonic() > deadline:
+                        raise self._held_by_nobody() from None
+                    time.sleep(0.1)
             self._spawn(lock_fd)
         finally:
             # The child holds its own reference to the locked file description; ours can go.
@@ -255,22 +264,29 @@ class _EmbeddedServer(_StartedInWith):
     def _attach(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s
         # The owner may still be starting: wait for its state file and readiness.
-        while True:
-            try:
-                state = json.loads(self.state_path.read_text())
-                pid, port = int(state["pid"]), int(state["port"])
-                if _pid_alive(pid) and self._ready(port):
-                    self._pid, self._port, self._owned = pid, port, False
-                    logger.info("attached to embedded %s pid %d on %s:%d", self.name, pid, LOOPBACK, port)
-                    return
-            except (OSError, ValueError, KeyError):
-                pass
+        while not self._attached():
             if time.monotonic() > deadline:
-                raise EmbeddedServerError(
-                    f"{self.lock_path} is locked by another process but no live {self.name} answers "
-                    f"(state file {self.state_path}); is another server starting on this data directory?"
-                )
+                raise self._held_by_nobody()
             time.sleep(0.1)
+
+    def _attached(self) -> bool:
+        """Attach to the server the state file names if it is alive and answers; False when it is not."""
+        try:
+            state = json.loads(self.state_path.read_text())
+            pid, port = int(state["pid"]), int(state["port"])
+        except (OSError, ValueError, KeyError):
+            return False
+        if not (_pid_alive(pid) and self._ready(port)):
+            return False
+        self._pid, self._port, self._owned = pid, port, False
+        logger.info("attached to embedded %s pid %d on %s:%d", self.name, pid, LOOPBACK, port)
+        return True
+
+    def _held_by_nobody(self) -> EmbeddedServerError:
+        return EmbeddedServerError(
+            f"{self.lock_path} is locked by another process but no live {self.name} answers "
+            f"(state file {self.state_path}); is another server starting on this data directory?"
+        )
 
     def _spawn(self, lock_fd: int) -> None:
         attempts = 1 if (self._requested_port or self._port) else 3

@@ -97,3 +97,41 @@ def test_a_dead_embedded_server_is_started_again_in_place(tmp_path: Path) -> Non
             assert client.ping()
         finally:
             client.close()
+
+
+def test_a_server_whose_lock_outlives_it_a_moment_is_started_again(tmp_path: Path) -> None:
+    """A killed redis-server lets go of its data directory's lock only once its last thread, or a child it
+    forked to save, has ended: a restart that finds the lock still held by nobody alive takes it once it is
+    free, instead of waiting for a server that will never answer. Here another process keeps the lock a
+    moment after the kill, as such a child would."""
+    import signal
+    import subprocess
+    import sys
+
+    with EmbeddedServices(tmp_path, milvus=False) as services:
+        assert services.redis is not None and services.redis.pid is not None
+        url, pid = services.redis.url, services.redis.pid
+        lock_path = services.redis.lock_path
+        os.kill(pid, signal.SIGKILL)
+        holder = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import fcntl, os, sys, time\n"
+                f"fd = os.open({str(lock_path)!r}, os.O_RDWR)\n"
+                "fcntl.flock(fd, fcntl.LOCK_SH)\n"  # blocks until the killed server has let go
+                "print('held', flush=True)\n"
+                "time.sleep(1.5)\n",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+            deadline = time.monotonic() + 30
+            while not (revived := services.revive()) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert revived == ["redis"]
+            assert services.redis.url == url and services.redis.owned
+        finally:
+            holder.wait(30)
