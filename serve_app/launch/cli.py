@@ -197,16 +197,16 @@ def running_service_settings(command: str, *, milvus: bool) -> Settings:
 def backends(settings: Settings) -> int:
     """Keep the embedded servers of FACESEARCH_DATA_DIR running (started here unless already live) and print
     their addresses as shell assignments, so `serve run config/serve.yaml` can use them."""
-    from serve_app.launch.embedded import start_embedded_backends
+    from serve_app.launch.embedded import start_embedded_services
 
-    started = start_embedded_backends(settings)
+    started, _ = start_embedded_services(settings)
     print(f"export REDIS_URL={shlex.quote(str(started.redis.url))}", flush=True)
     print(f"export MILVUS_URI={shlex.quote(str(started.milvus.uri))}", flush=True)
     stopped = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stopped.set())
     stopped.wait()
-    return 0  # the servers stop at exit (start_embedded_backends registered that)
+    return 0  # the servers stop at exit (start_embedded_services registered that)
 
 
 def _override(raw: str | None, bounded: TypeAdapter[Any]) -> tuple[bool, Any]:

@@ -577,21 +577,16 @@ class EmbeddedServices(_StartedInWith):
             raise errors[0]
 
 
-def start_embedded_backends(settings: Settings) -> Settings:
+def start_embedded_services(settings: Settings) -> tuple[Settings, EmbeddedServices | None]:
     """Start embedded redis-server / milvus-lite (bound to 127.0.0.1) for whichever address the settings
-    leave unset, and return the settings with both addresses. Called explicitly by the launcher
-    (`facesearch start`, `facesearch backends`, the CLI's admin commands), never by building the
+    leave unset; return the settings with both addresses and the servers started or attached to (None when
+    the settings name both), for a launcher that keeps them alive (EmbeddedServices.revive). Called
+    explicitly by the launcher (`facesearch start`, `facesearch backends`), never by building the
     application: Serve builds it in a short-lived task, which is no owner for a server.
 
     Started servers belong to the calling process and stop when it exits; a live server left by an earlier
     run in the same data dir is reused.
     """
-    return start_embedded_services(settings)[0]
-
-
-def start_embedded_services(settings: Settings) -> tuple[Settings, EmbeddedServices | None]:
-    """start_embedded_backends, also returning the servers it started or attached to (None when the
-    settings name both backends), for a launcher that keeps them alive (EmbeddedServices.revive)."""
     if settings.redis.url and settings.milvus.uri:
         return settings, None
     services = EmbeddedServices(
