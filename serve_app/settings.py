@@ -382,6 +382,13 @@ class RetentionSettings(_Group):
     done_signal_ttl_s: int = Field(
         60, ge=1, description="how long a transaction's completion signal outlives it, for slow waiters"
     )
+    idempotency_key_ttl_s: int = Field(
+        24 * 3600,
+        ge=1,
+        description="how long an `Idempotency-Key` is remembered after its create: a retry within it "
+        "answers the first request's reference_id, a key sent again later creates a new transaction. "
+        "Bounded on purpose: every keyed create leaves about 270 bytes in Redis for this long",
+    )
     orphan_upload_grace_s: int = Field(
         3600,
         ge=0,

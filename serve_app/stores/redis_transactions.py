@@ -12,8 +12,8 @@ Keys (prefix default "fs:"):
   {p}wh-event:..., {p}sys:wh-*  a completion webhook's event and its queue entries, written by the final
                               state's script when the tenant has an endpoint (layout: redis_webhooks.py)
   {p}idem:{digest}            hash {fp, ref, replays}: the request fingerprint and the reference_id of the
-                              transaction an Idempotency-Key created (domain/idempotency.py); expires with
-                              the retention (idempotency_ttl_s)
+                              transaction an Idempotency-Key created (domain/idempotency.py); expires
+                              idempotency_ttl_s after the create (24 h by default)
 
 Each family has a prefix that no other key starts with, so a reference_id can only ever name a key of its
 own family (an earlier layout put the queue at {p}tx:queue, where reference_id "queue" reached it). The API
@@ -244,8 +244,8 @@ class RedisTransactionStore:
         else raises BackendUnavailable after replica_timeout_ms (see docs/scaling.md, "Redis with failover").
         archive_after_s: > 0: list final transactions for the result archiver (finished_before), which
         moves them out of Redis this long after they became final (pipelines/result_archive.py).
-        idempotency_ttl_s: how long an Idempotency-Key is remembered (0: as long as Redis keeps it); the
-        wiring passes the transaction retention, so a key outlives no transaction it names.
+        idempotency_ttl_s: how long an Idempotency-Key is remembered after its create (0: as long as Redis
+        keeps it); the wiring passes FACESEARCH_IDEMPOTENCY_KEY_TTL_S (24 h), so keys cannot fill Redis.
         webhooks: queue a completion event for tenants with a webhook (stores/redis_webhooks.py) in the
         script that makes a transaction final."""
         if replicas < 0 or replica_timeout_ms <= 0:

@@ -69,7 +69,7 @@ def redis_stores(settings: Settings, redis: Redis | None = None) -> RedisStores:
             replicas=wait_replicas(settings),
             replica_timeout_ms=settings.redis.wait_timeout_ms,
             archive_after_s=retention.archive_after_s,
-            idempotency_ttl_s=retention.transaction_retention_s,
+            idempotency_ttl_s=retention.idempotency_key_ttl_s,
         ),
         records=RedisFaceRecordStore(redis, prefix=prefix, erasure_ttl_s=retention.erasure_memory_s),
         clients=RedisClientStore(

@@ -382,3 +382,41 @@ def test_concurrent_requests_with_one_key_create_one_transaction(
             assert await transactions_created(settings, server.url) == (1, 1, 1)
 
     asyncio.run(main())
+
+
+def test_a_key_lives_for_its_own_ttl_not_the_transaction_retention(
+    redis_server: EmbeddedServices, tmp_path: Path
+) -> None:
+    """Keys are bookkeeping that every keyed create adds: by default their record lapses after 24 h while
+    the transaction it names stays for the 30-day retention, and once a key has lapsed the same key makes
+    a new transaction (a retry a day later is a new request)."""
+    server = redis_server.redis
+    assert server is not None
+
+    async def main() -> None:
+        settings = settings_for(server.url, tmp_path)
+        assert settings.retention.transaction_retention_s == 30 * 24 * 3600
+        direct = connect_redis(server.url)
+        try:
+            async with ingress(settings, retries=0) as api:
+                await api.client.login()
+                call = calls.face_search(solid_png((7, 7, 7)), client_reference="subject-6")
+                assert (await api.client.send(call)).status_code == 200
+                (record,) = [key async for key in direct.scan_iter(f"{settings.redis.key_prefix}idem:*")]
+                assert 24 * 3600 - 60 <= await direct.ttl(record) <= 24 * 3600
+
+            short = settings.model_copy(
+                update={"retention": settings.retention.model_copy(update={"idempotency_key_ttl_s": 1})}
+            )
+            async with ingress(short, retries=0) as api:
+                await api.client.login()
+                call = calls.age_estimation(solid_png((8, 8, 8)), idempotency_key="k-lapse")
+                first = (await api.client.send(call)).json()["result"]["data"]["reference_id"]
+                assert (await api.client.send(call)).json()["result"]["data"]["reference_id"] == first
+                await asyncio.sleep(2.1)
+                again = (await api.client.send(call)).json()["result"]["data"]["reference_id"]
+                assert again != first
+        finally:
+            await direct.aclose()
+
+    asyncio.run(main())

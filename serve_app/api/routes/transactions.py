@@ -57,10 +57,11 @@ IdempotencyKey = Annotated[
     Header(
         alias=HEADER,
         description="A key naming this logical request (e.g. a UUID, as a Structured Field string "
-        '`"..."` or bare; 1-255 visible ASCII characters), sent again unchanged on every retry. For the '
-        "transaction retention period, the same key with the same request (tenant, type, fields, image "
-        "bytes) answers with the first request's reference_id and creates nothing; with a different "
-        "request it is refused with 422. Without it, every request creates a transaction.",
+        '`"..."` or bare; 1-255 visible ASCII characters), sent again unchanged on every retry. For 24 '
+        "hours after the first request (FACESEARCH_IDEMPOTENCY_KEY_TTL_S), the same key with the same "
+        "request (tenant, type, fields, image bytes) answers with the first request's reference_id and "
+        "creates nothing; with a different request it is refused with 422. Without it, every request "
+        "creates a transaction.",
     ),
 ]
 
