@@ -37,6 +37,7 @@ from serve_app.settings import AuthSettings, HttpSettings, MilvusSettings, Redis
 from serve_app.stores.blobs import LocalBlobStore
 from serve_app.stores.milvus_gallery import MilvusGalleryStore
 from serve_app.stores.redis_support import connect_redis
+from serve_app.stores.redis_transactions import RedisTransactionStore
 from serve_app.wiring.api import build_api_services
 from serve_app.wiring.stores import RedisStores, redis_stores, result_archive
 from tests.backend_text import assert_no_backend_text
@@ -300,9 +301,9 @@ def small_filesystem(mount_point: Path, size_bytes: int) -> Iterator[Path]:
             subprocess.run(["umount", "--lazy", str(mount_point)], check=True)
 
 
-def fill_but_one_page(directory: Path) -> Path:
-    """Writes a file until the file system refuses (ENOSPC), then gives back one page: room for a blob's
-    small content-type file, none for its data."""
+def fill(directory: Path, free_pages: int = 0) -> Path:
+    """Writes a file until the file system refuses (ENOSPC), then gives back free_pages pages (one: room
+    for a blob's small content-type file, none for its data)."""
     filler = directory / "filler"
     fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
     try:
@@ -314,8 +315,9 @@ def fill_but_one_page(directory: Path) -> Path:
                 if error.errno != errno.ENOSPC:
                     raise
                 chunk //= 2
-        pages = -(-os.fstat(fd).st_size // PAGE)
-        os.ftruncate(fd, (pages - 1) * PAGE)
+        if free_pages:
+            pages = -(-os.fstat(fd).st_size // PAGE)
+            os.ftruncate(fd, (pages - free_pages) * PAGE)
     finally:
         os.close(fd)
     return filler
@@ -336,7 +338,7 @@ def test_a_full_disk_answers_507_the_client_retries_and_every_accepted_transacti
                 await b.create(token, enroll_face=False),  # its upload goes once it is final
                 await b.create(token, client_reference="customer-full-disk"),  # its upload is its proof
             ]
-            filler = fill_but_one_page(disk)
+            filler = fill(disk, free_pages=1)
             stored = files_under(blobs)
 
             for _ in range(2):
@@ -390,3 +392,55 @@ def test_a_full_disk_answers_507_the_client_retries_and_every_accepted_transacti
 
     with small_filesystem(tmp_path / "disk", 512 * 1024) as disk:
         asyncio.run(scenario(disk))
+
+
+def test_a_redis_whose_own_disk_is_full_refuses_writes_as_an_outage_and_resumes_once_freed(
+    tmp_path: Path,
+) -> None:
+    """Redis appends every write to its AOF (fsynced each second). On a full disk it answers writes from
+    memory until its next flush fails, then refuses them (MISCONF) until a flush succeeds again: a 503 and a
+    requeue, never a failed transaction, and nothing it answered is lost."""
+
+    async def scenario(server: EmbeddedRedis, disk: Path) -> None:
+        redis = connect_redis(server.url)
+        store = RedisTransactionStore(redis, prefix="d:")
+        try:
+            accepted = [await store.create_and_enqueue(make_tx())]
+            filler = fill(disk)
+            refused: BackendUnavailable | None = None
+            for _ in range(600):  # a hang guard of about half a minute, not a speed bound
+                try:
+                    accepted.append(await store.create_and_enqueue(make_tx()))
+                except BackendUnavailable as error:
+                    refused = error
+                    break
+                await asyncio.sleep(0.05)
+            assert type(refused) is BackendUnavailable and "MISCONF" in refused.message, refused
+
+            filler.unlink()
+
+            async def writes_again() -> bool:
+                try:
+                    accepted.append(await store.create_and_enqueue(make_tx()))
+                except BackendUnavailable:
+                    return False
+                return True
+
+            await eventually(writes_again, "Redis writing again once space is free")
+            for reference_id in accepted:
+                assert await store.get(reference_id) is not None
+
+            async def all_in_the_aof() -> bool:  # appendonly.aof (Redis 6), appendonlydir/ (Redis 7)
+                files = [path for path in server.data_dir.rglob("appendonly*") if path.is_file()]
+                written = "".join(path.read_text(errors="replace") for path in files)
+                return all(reference_id in written for reference_id in accepted)
+
+            await eventually(all_in_the_aof, "every answered create in the append-only file")
+        finally:
+            await redis.aclose()
+
+    with (
+        small_filesystem(tmp_path / "disk", 2 * 1024 * 1024) as disk,
+        EmbeddedRedis(disk / "redis") as server,
+    ):
+        asyncio.run(scenario(server, disk))
