@@ -231,6 +231,17 @@ def test_a_full_redis_refuses_creates_with_503_keeps_what_it_accepted_and_recove
                     "errors": {},
                 }
                 assert_no_backend_text(refused.text)
+                # Every request counts against its client's limits in Redis: reads and logins wait too.
+                for answer in (
+                    await b.http.post(
+                        "/result", headers=b.headers(token), json={"reference_id": accepted[0]}
+                    ),
+                    await b.http.post(
+                        "/request-access-token",
+                        json={"client_id": b.client_id, "client_secret": b.client_secret},
+                    ),
+                ):
+                    assert answer.status_code == 503 and answer.headers["Retry-After"] == "5", answer.text
                 # The create itself is one script: refused whole, nothing of it is written.
                 before = await raw.dbsize()
                 with pytest.raises(BackendUnavailable) as error:
