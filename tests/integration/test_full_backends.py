@@ -16,6 +16,7 @@ import errno
 import logging
 import os
 import subprocess
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -260,6 +261,7 @@ def test_a_full_redis_refuses_creates_with_503_keeps_what_it_accepted_and_recove
                 assert (await b.stores.transactions.count_by_state())["failed"] == 0
             finally:
                 await raw.config_set("maxmemory", 0)
+                freed_at = time.monotonic()
                 await raw.aclose()
             # No traceback per request while it lasted: a full Redis is an outage, not a bug.
             errors = [
@@ -273,6 +275,11 @@ def test_a_full_redis_refuses_creates_with_503_keeps_what_it_accepted_and_recove
             assert [tx.state for tx in done] == [TransactionState.COMPLETED] * 4, [tx.error for tx in done]
             enrolled = {face_id for _tenant, face_id in await b.stores.records.all_face_ids(b.client_id)}
             assert enrolled == {enrolled_face_id(reference) for reference in [*accepted[1:], late]}
+            print(
+                f"full Redis: {len(accepted)} accepted before, {requeues()} attempts requeued while full,"
+                f" 0 failed; all {len(done)} completed {time.monotonic() - freed_at:.2f} s after maxmemory"
+                " was raised"
+            )
             for reference in [*accepted, late]:
                 read = await b.http.post(
                     "/result", headers=b.headers(token), json={"reference_id": reference}
@@ -380,10 +387,12 @@ def test_a_full_disk_answers_507_the_client_retries_and_every_accepted_transacti
 
             # Still full. The Python client retries the 507; the operator frees space while it waits.
             slept: list[float] = []
+            freed_at: list[float] = []
 
             async def operator_frees_space(delay: float) -> None:
                 slept.append(delay)
                 filler.unlink(missing_ok=True)
+                freed_at.append(time.monotonic())
 
             async with AsyncFaceSearchClient(
                 client_id=b.client_id, client_secret=b.client_secret, http=b.http, sleep=operator_frees_space
@@ -393,6 +402,11 @@ def test_a_full_disk_answers_507_the_client_retries_and_every_accepted_transacti
 
             final = await b.final([*accepted, late])
             assert [tx.state for tx in final] == [TransactionState.COMPLETED] * 3
+            print(
+                f"full disk: {len(accepted)} accepted before, 3 uploads answered 507 (the last the client's"
+                f" first try), all 3 accepted completed, the client's retry final"
+                f" {time.monotonic() - freed_at[0]:.2f} s after space was freed"
+            )
             report = await archive_finished(b.stores.transactions, archive, 0.0)
             assert report.archived == report.dropped == 3
             for reference in [*accepted, late]:
@@ -428,7 +442,9 @@ def test_a_redis_whose_own_disk_is_full_refuses_writes_as_an_outage_and_resumes_
                 await asyncio.sleep(0.05)
             assert type(refused) is BackendUnavailable and "MISCONF" in refused.message, refused
 
+            answered_before = len(accepted)
             filler.unlink()
+            freed_at = time.monotonic()
 
             async def writes_again() -> bool:
                 try:
@@ -438,6 +454,10 @@ def test_a_redis_whose_own_disk_is_full_refuses_writes_as_an_outage_and_resumes_
                 return True
 
             await eventually(writes_again, "Redis writing again once space is free")
+            print(
+                f"full Redis disk: {answered_before} creates answered, then MISCONF; writing again"
+                f" {time.monotonic() - freed_at:.2f} s after space was freed"
+            )
             for reference_id in accepted:
                 assert await store.get(reference_id) is not None
 
