@@ -389,6 +389,12 @@ class RetentionSettings(_Group):
         "answers the first request's reference_id, a key sent again later creates a new transaction. "
         "Bounded on purpose: every keyed create leaves about 270 bytes in Redis for this long",
     )
+    audit_retention_s: int = Field(
+        365 * 24 * 3600,
+        ge=0,
+        description="entries of a tenant's gallery audit trail (deletions and erasures) are kept this long; "
+        "0 keeps them for ever, which lets the trail grow with every deletion request",
+    )
     orphan_upload_grace_s: int = Field(
         3600,
         ge=0,
