@@ -23,6 +23,7 @@ from models.calibration import DEFAULT_FPIR, FaceScoreCalibration
 from models.types import AnalyzedFace, FaceQuality, largest_face
 from serve_app.domain.errors import ServiceError
 from serve_app.domain.faces import FaceRecord
+from serve_app.domain.identifiers import enrolled_face_id as enrolled_face_id  # re-exported: the rule's home
 from serve_app.domain.outcomes import (
     AgeDecisionReport,
     AgeEstimationOutcome,
@@ -104,10 +105,6 @@ def age_decision_report(decision: AgeDecision, quality: FaceQuality | None) -> A
     if decision.reason == "face_quality" and quality is not None:
         report = dataclasses.replace(quality_report(quality), reasons=decision.quality_reasons)
     return AgeDecisionReport(reason=decision.reason, quality=report)
-
-
-def enrolled_face_id(reference_id: str) -> str:
-    return f"f{reference_id}"
 
 
 class TransactionProcessor:

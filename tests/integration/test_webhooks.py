@@ -26,12 +26,12 @@ from serve_app.api.tokens import TokenSigner
 from serve_app.domain.errors import ValidationFailed
 from serve_app.domain.keys import WEBHOOK_SECRETS, KeyRing
 from serve_app.domain.outcomes import AgeEstimationOutcome
-from serve_app.domain.webhooks import secret_key
+from serve_app.domain.webhooks import SecretUnreadable, secret_key
 from serve_app.launch.cli import _clients, _webhooks
 from serve_app.launch.embedded import EmbeddedRedis
 from serve_app.settings import AuthSettings, MilvusSettings, RedisSettings, Settings, WebhookSettings
 from serve_app.stores.redis_support import connect_redis, text
-from serve_app.stores.redis_webhooks import RedisWebhookStore, SecretCipher, SecretUnreadable
+from serve_app.stores.redis_webhooks import RedisWebhookStore, SecretCipher
 from serve_app.wiring.api import build_api_services
 from serve_app.wiring.stores import redis_stores
 from tests.integration.webhook_support import (

@@ -17,12 +17,12 @@ from pydantic import SecretStr
 from serve_app.domain.outcomes import AgeEstimationOutcome
 from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState
 from serve_app.pipelines.transactions import TransactionService
-from serve_app.pipelines.webhooks import WebhookDeliverer, WebhookPolicy, WebhookService
+from serve_app.pipelines.webhooks import Resolve, WebhookDeliverer, WebhookPolicy, WebhookService
 from serve_app.settings import AuthSettings, Settings
 from serve_app.stores.redis_support import connect_redis
 from serve_app.stores.redis_transactions import RedisTransactionStore
 from serve_app.stores.redis_webhooks import RedisWebhookStore, SecretCipher
-from serve_app.wiring.webhooks import result_renderer
+from serve_app.wiring.webhooks import result_renderer, webhook_resolver
 from tests.unit.fakes import FakeBlobStore
 
 KEY = "webhook-test-key-0123456789abcdef"
@@ -123,6 +123,7 @@ class Pipeline:
     transactions: RedisTransactionStore
     store: RedisWebhookStore
     service: WebhookService
+    resolve: Resolve  # the system's resolver on a pool of its own, as the wiring builds it
 
     def deliverer(self, policy: WebhookPolicy, **kwargs: object) -> WebhookDeliverer:
         reader = TransactionService(self.transactions, FakeBlobStore(), 10_000_000)
@@ -131,6 +132,7 @@ class Pipeline:
             tx = await self.transactions.get(reference_id)
             return await reader.readable(tx) if tx is not None and tx.tenant_id == tenant else None
 
+        kwargs.setdefault("resolve", self.resolve)
         return WebhookDeliverer(self.store, load, result_renderer(settings()), policy, **kwargs)  # type: ignore[arg-type]
 
     async def finish(self, reference_id: str, *, fail: bool = False) -> None:
@@ -161,7 +163,8 @@ def pipeline(redis_url: str, prefix: str, webhook_policy: WebhookPolicy) -> Pipe
     transactions = RedisTransactionStore(redis, prefix=prefix)
     cipher = SecretCipher(settings().auth.key_ring().for_purpose("webhook-secret"))
     store = RedisWebhookStore(redis, cipher, prefix=prefix, log_size=50, event_retention_s=3600)
-    return Pipeline(transactions, store, WebhookService(store, webhook_policy))
+    resolve = webhook_resolver(2, "webhook-test-dns")
+    return Pipeline(transactions, store, WebhookService(store, webhook_policy, resolve), resolve)
 
 
 async def _child(redis_url: str, prefix: str) -> None:

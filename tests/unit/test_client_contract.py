@@ -171,7 +171,7 @@ def test_a_match_is_the_documented_quadruple(document: Schema) -> None:
 def test_the_page_size_rule_is_the_documented_one(document: Schema) -> None:
     """The schema of `limit` is generated from the service's constants, and the client pages with its
     maximum."""
-    for path in ("/gallery/faces", "/gallery/audit"):
+    for path in ("/gallery/faces", "/gallery/audit", "/webhook/deliveries"):
         parameters = document["paths"][path]["get"]["parameters"]
         limit = next(parameter for parameter in parameters if parameter["name"] == "limit")["schema"]
         assert limit["default"] == DEFAULT_PAGE_SIZE
