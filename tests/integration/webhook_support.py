@@ -55,6 +55,7 @@ def policy(**overrides: float | int | frozenset[str]) -> WebhookPolicy:
 class Received:
     headers: dict[str, str]
     body: bytes
+    target: str = ""  # the request line's target, as it came
 
 
 @dataclass
@@ -88,13 +89,14 @@ class Receiver:
         try:
             head = await reader.readuntil(b"\r\n\r\n")
             lines = head.decode("latin-1").split("\r\n")
+            target = lines[0].split(" ")[1] if lines[0].count(" ") == 2 else ""
             headers = {}
             for line in lines[1:]:
                 if ":" in line:
                     name, _, value = line.partition(":")
                     headers[name.strip().lower()] = value.strip()
             body = await reader.readexactly(int(headers.get("content-length", "0")))
-            self.received.append(Received(headers, body))
+            self.received.append(Received(headers, body, target))
             self.arrived.set()
             delay, status = self.answer(len(self.received))
             if delay is None:
