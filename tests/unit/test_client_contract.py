@@ -15,7 +15,8 @@ import pytest
 import facesearch_client.models as client
 from serve_app.api.app import create_app
 from serve_app.domain.gallery import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE
-from tests.unit.fakes import World, build_api
+from serve_app.pipelines.webhooks import WebhookPolicy, WebhookService
+from tests.unit.fakes import FakeWebhookStore, World, build_api
 from tests.unit.test_gallery import _with_gallery, service
 
 Schema = dict[str, Any]
@@ -66,9 +67,16 @@ def document() -> Schema:
     async def build() -> Schema:
         world = World()
         api = await build_api(world)
-        return create_app(_with_gallery(api.services, service(world))).openapi()
+        services = _with_gallery(api.services, service(world))
+        # The webhook routes too (their delivery log pages by the same rule), on the fake store.
+        webhooks = WebhookService(FakeWebhookStore(), WebhookPolicy(), unresolved)
+        return create_app(dataclasses.replace(services, webhooks=webhooks)).openapi()
 
     return asyncio.run(build())
+
+
+async def unresolved(host: str, port: int) -> list[str]:
+    return []
 
 
 def resolve(document: Schema, schema: Schema) -> Schema:
