@@ -327,15 +327,14 @@ class TransactionProcessor:
         decision = decide_age(faces, self._policy.age_rule)
         if subject is None or decision is None:
             return AgeEstimationOutcome(age=None, under_18=None, under_21=None)
-        age = decision.estimate
         unindexed: tuple[QualityReport, ...] = ()
         enrolled = False
         if tx.enroll_face and subject.embedding is not None:
             unindexed, enrolled = await self._enroll_if_good(tx, subject)
         return AgeEstimationOutcome(
-            age=age.age,
-            under_18=age.under_18,
-            under_21=age.under_21,
+            age=decision.estimate.age,
+            under_18=decision.under_18,
+            under_21=decision.under_21,
             unindexed_faces=unindexed,
             enrolled=enrolled,
             age_decision=age_decision_report(decision, subject.quality),
