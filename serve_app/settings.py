@@ -325,8 +325,8 @@ class WebhookSettings(_Group):
     max_response_bytes: int = Field(
         16 * 1024,
         ge=256,
-        description="the most of a receiver's status line and headers read (the body is never read); a "
-        "longer head fails the attempt",
+        description="the longest status line and headers of a receiver's answer accepted (the body is never "
+        "read); a longer head fails the attempt",
     )
     retry_base_s: float = Field(
         5.0, gt=0, description="bound of the first retry's delay; each retry doubles it (full jitter)"

@@ -125,8 +125,9 @@ class PinnedSender:
     """Send: POSTs with httpx to the first of the vetted addresses that accepts a connection, naming the
     URL's host in Host and in TLS (httpx's sni_hostname extension: SNI and the certificate check), so
     the name is never looked up again. Returns the status code; reads the answer's status line and headers
-    (at most max_response_bytes of them, or the attempt fails) and never its body. Redirects are not
-    followed: a 3xx is a failed attempt like any non-2xx.
+    and never its body. A head longer than max_response_bytes fails the attempt (httpx's HTTP/1.1 parser
+    holds at most 100 KiB of a head it is still reading, whatever the cap). Redirects are not followed: a
+    3xx is a failed attempt like any non-2xx.
 
     Each attempt has a connection of its own (Connection: close, nothing kept alive), so a connection is
     only ever used for the host it was opened for, whatever other host shares its address. The client

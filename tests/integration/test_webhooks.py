@@ -10,7 +10,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +28,7 @@ from serve_app.api.tokens import TokenSigner
 from serve_app.domain.errors import ValidationFailed
 from serve_app.domain.keys import WEBHOOK_SECRETS, KeyRing
 from serve_app.domain.outcomes import AgeEstimationOutcome
-from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState
+from serve_app.domain.transactions import Transaction
 from serve_app.domain.webhooks import SecretUnreadable, secret_key
 from serve_app.launch.cli import _clients, _webhooks
 from serve_app.launch.embedded import EmbeddedRedis
@@ -52,6 +51,7 @@ from tests.integration.webhook_support import (
     TENANT,
     Pipeline,
     Receiver,
+    finish,
     free_port,
     pipeline,
     policy,
@@ -685,10 +685,7 @@ def test_a_webhook_whose_name_server_hangs_delays_no_other_tenant(
         blobs = LocalBlobStore(tmp_path / "blobs")
         await webhook_store(settings, redis).set_url(TENANT, f"https://{HUNG_HOST}/hook")
         for _ in range(settings.webhooks.batch + 4):  # more events than either pool has threads
-            tx = make_final(TENANT)
-            await transactions.create_and_enqueue(tx)
-            await transactions.mark_processing(tx.reference_id)
-            await transactions.complete(tx.reference_id, AgeEstimationOutcome(age=31, under_18=0, under_21=0))
+            await finish(transactions, TENANT, reference())
         deliverer = build_deliverer(settings, redis, transactions, records, result_archive(settings))
         # The real gallery of the service (age estimations that enrol nothing never reach it).
         gallery = gallery_store(settings, redis)
@@ -747,16 +744,26 @@ def test_a_webhook_whose_name_server_hangs_delays_no_other_tenant(
     run(scenario)
 
 
-def make_final(tenant: str) -> Transaction:
-    now = time.time()
-    ref = reference()
-    return Transaction(
-        reference_id=ref,
-        tenant_id=tenant,
-        kind=TransactionKind.AGE_ESTIMATION,
-        state=TransactionState.QUEUED,
-        created_at=now,
-        updated_at=now,
-        image_key=f"uploads/{tenant}/{ref}",
-        enroll_face=False,
-    )
+def test_an_answer_whose_head_passes_the_cap_fails_the_attempt(redis_url: str) -> None:
+    """The status line and headers are read up to max_response_bytes (never the body): a 2xx whose head is
+    longer is a failed attempt, retried."""
+
+    async def scenario() -> None:
+        async def bloated(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nX-Padding: " + b"a" * 20_000 + b"\r\nContent-Length: 0\r\n\r\n")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(bloated, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        hooks = fresh(redis_url)
+        await hooks.service.register(TENANT, f"http://127.0.0.1:{port}/in")
+        await hooks.finish(reference())
+        await hooks.deliverer(policy(max_response_bytes=16 * 1024)).run_once()
+        (attempt,) = await hooks.service.deliveries(TENANT, 10)
+        assert attempt.outcome == "retrying" and attempt.status_code is None
+        assert attempt.error == "the answer's head is longer than the response cap"
+        server.close()
+
+    run(scenario)

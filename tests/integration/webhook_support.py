@@ -139,25 +139,31 @@ class Pipeline:
 
     async def finish(self, reference_id: str, *, fail: bool = False) -> None:
         """Create a transaction of the tenant and make it final, as a worker does."""
-        now = time.time()
-        tx = Transaction(
-            reference_id=reference_id,
-            tenant_id=TENANT,
-            kind=TransactionKind.AGE_ESTIMATION,
-            state=TransactionState.QUEUED,
-            created_at=now,
-            updated_at=now,
-            image_key=f"uploads/{TENANT}/{reference_id}",
-            enroll_face=False,
-        )
-        await self.transactions.create_and_enqueue(tx)
-        await self.transactions.mark_processing(reference_id)
-        if fail:
-            await self.transactions.fail(reference_id, "no face found")
-        else:
-            await self.transactions.complete(
-                reference_id, AgeEstimationOutcome(age=31, under_18=0, under_21=0)
-            )
+        await finish(self.transactions, TENANT, reference_id, fail=fail)
+
+
+async def finish(
+    transactions: RedisTransactionStore, tenant: str, reference_id: str, *, fail: bool = False
+) -> None:
+    """Create an age estimation of the tenant and make it final, as a worker does (its event is queued
+    when the tenant has a webhook)."""
+    now = time.time()
+    tx = Transaction(
+        reference_id=reference_id,
+        tenant_id=tenant,
+        kind=TransactionKind.AGE_ESTIMATION,
+        state=TransactionState.QUEUED,
+        created_at=now,
+        updated_at=now,
+        image_key=f"uploads/{tenant}/{reference_id}",
+        enroll_face=False,
+    )
+    await transactions.create_and_enqueue(tx)
+    await transactions.mark_processing(reference_id)
+    if fail:
+        await transactions.fail(reference_id, "no face found")
+    else:
+        await transactions.complete(reference_id, AgeEstimationOutcome(age=31, under_18=0, under_21=0))
 
 
 def pipeline(redis_url: str, prefix: str, webhook_policy: WebhookPolicy) -> Pipeline:
