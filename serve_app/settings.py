@@ -315,11 +315,18 @@ class WebhookSettings(_Group):
         "a loopback, private, link-local or otherwise internal address, and over plain http (every other "
         "host must resolve to public addresses only and use https; docs/security.md)",
     )
-    connect_timeout_s: float = Field(5.0, gt=0, description="a delivery's TCP (and TLS) connect timeout")
-    read_timeout_s: float = Field(10.0, gt=0, description="a delivery's wait for the receiver's status line")
+    connect_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="a delivery's timeout for resolving the host's name, and for its TCP (and TLS) connect",
+    )
+    read_timeout_s: float = Field(10.0, gt=0, description="a delivery's wait for the receiver's answer")
     total_timeout_s: float = Field(15.0, gt=0, description="bound on one delivery attempt, all of it")
     max_response_bytes: int = Field(
-        16 * 1024, ge=256, description="the most of a receiver's answer read (its status line must fit)"
+        16 * 1024,
+        ge=256,
+        description="the longest status line and headers of a receiver's answer accepted (the body is never "
+        "read); a longer head fails the attempt",
     )
     retry_base_s: float = Field(
         5.0, gt=0, description="bound of the first retry's delay; each retry doubles it (full jitter)"
