@@ -38,6 +38,7 @@ from serve_app.domain.gallery import AuditAction, AuditEntry
 from serve_app.domain.idempotency import IdempotencyClaim
 from serve_app.domain.outcomes import AgeEstimationOutcome, FaceMatch, FaceSearchOutcome
 from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState, upload_key
+from serve_app.domain.webhooks import DeliveryAttempt, Settlement
 from serve_app.launch.embedded import EmbeddedRedis
 from serve_app.pipelines.result_archive import archive_finished
 from serve_app.settings import AuthSettings, RedisSettings, Settings
@@ -45,7 +46,6 @@ from serve_app.stores.blobs import LocalBlobStore
 from serve_app.stores.interfaces import request_counter_key
 from serve_app.stores.redis_support import connect_redis, text
 from serve_app.stores.redis_tenant_clock import RedisTenantClock
-from serve_app.stores.redis_webhooks import DeliveryAttempt
 from serve_app.stores.result_archive import BlobResultArchive
 from serve_app.wiring.stores import redis_stores
 from serve_app.wiring.webhooks import webhook_store
@@ -65,7 +65,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "after the archive": ("transaction", "nothing of it is left in Redis"),
     "face record + indexes": ("enrolled face", "kept while enrolled (the client's gallery)"),
     "erased tombstone": ("erased client_reference", "-"),
-    "audit entry": ("deletion or erasure request", "kept: the audit trail (no bound)"),
+    "audit entry": ("deletion or erasure request", "dropped by the next append once past its retention"),
     "wh-log": (
         "tenant with a webhook (its last 100 attempts)",
         "trimmed to FACESEARCH_WEBHOOK_LOG_SIZE per tenant",
@@ -190,7 +190,7 @@ async def lifecycle(url: str, count: int, results: Path) -> dict[str, tuple[int,
         attempt = DeliveryAttempt(
             event.event_id, event.reference_id, 1, time.time(), "delivered", 204, None, 35.0, None
         )
-        await hooks.settle(event, "delivered", attempt)
+        await hooks.settle(event, Settlement.DELIVERED, attempt)
     await snapshot("wh-event (settled)", "wh-event")
     await snapshot("wh-log", "wh-log")
 
