@@ -9,8 +9,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from models.age_policy import AgeIntervalRule
-from models.calibration import FaceScoreCalibration
-from models.embedder import MODEL_VERSION
 from serve_app.pipelines.analysis import DeadlineAnalysis, FaceAnalysisBackend
 from serve_app.pipelines.processing import ProcessingPolicy, TransactionProcessor
 from serve_app.pipelines.reconcile import ReconcilePolicy, Reconciler
@@ -20,6 +18,7 @@ from serve_app.stores.blobs import LocalBlobStore
 from serve_app.stores.milvus_gallery import MilvusGalleryStore
 from serve_app.stores.redis_reconcile import RedisReconcileState
 from serve_app.stores.result_archive import BlobResultArchive
+from serve_app.wiring.models import score_calibration, serving_face_model
 from serve_app.wiring.stores import RedisStores, gallery_store, lock_policy, redis_stores, result_archive
 
 
@@ -47,12 +46,12 @@ def build_processor(
     settings: Settings, analysis: FaceAnalysisBackend, stores: WorkerStores
 ) -> TransactionProcessor:
     policy = ProcessingPolicy(
-        model_version=MODEL_VERSION,
+        model_version=serving_face_model(settings).version,
         max_matches=settings.search.max_matches,
         min_score=settings.search.match_min_score,
         max_image_pixels=settings.limits.max_image_pixels,
         analysis_max_side=settings.models.analysis_max_side,
-        calibration=FaceScoreCalibration.load(),
+        calibration=score_calibration(settings),
         lock=lock_policy(settings),
         age_rule=AgeIntervalRule.load(minor_cleared_rate=settings.models.age_minor_cleared_rate),
     )
@@ -114,7 +113,7 @@ def build_reconciler(settings: Settings, holder: str, stores: WorkerStores | Non
             grace_s=worker.reconcile_grace_s,
             batch=worker.reconcile_batch,
             lease_s=worker.reconcile_lease_s,
-            model_version=MODEL_VERSION,
+            model_version=serving_face_model(settings).version,
             orphan_grace_s=settings.retention.orphan_upload_grace_s,
         ),
         blobs=stores.blobs,
