@@ -338,6 +338,7 @@ def calibration(photos: PhotoSet, weights: tuple[float, float]) -> dict[str, obj
 
 
 def calibration_table(calib: FaceScoreCalibration, photos: PhotoSet) -> str:
+    assert calib.fusion_weights is not None  # face model v2's table
     fused = fuse_vectors(unit(photos.dlib), photos.sface, calib.fusion_weights)
     genuine, impostor = pair_scores(cosine(fused, fused), photos.identities, photos.found)
     rows = []

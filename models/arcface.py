@@ -153,6 +153,8 @@ class InspectedModel:
 
 def inspect(path: Path) -> list[InspectedModel]:
     """Every .onnx file of a folder (or the one file given), each judged against the ArcFace format."""
+    if not path.exists():
+        raise ModelFormatError(f"{path}: no such file or folder")
     files: Sequence[Path] = sorted(path.glob("*.onnx")) if path.is_dir() else [path]
     if not files:
         raise ModelFormatError(f"{path}: no .onnx file there (unpack a zipped model pack first)")

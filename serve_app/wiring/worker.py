@@ -12,6 +12,7 @@ from models.age_policy import AgeIntervalRule
 from serve_app.pipelines.analysis import DeadlineAnalysis, FaceAnalysisBackend
 from serve_app.pipelines.processing import ProcessingPolicy, TransactionProcessor
 from serve_app.pipelines.reconcile import ReconcilePolicy, Reconciler
+from serve_app.pipelines.score_watch import OutcomeReporting, SearchObserver
 from serve_app.pipelines.worker import QueueWorker, WorkerPolicy
 from serve_app.settings import Settings
 from serve_app.stores.blobs import LocalBlobStore
@@ -43,8 +44,13 @@ class WorkerStores:
 
 
 def build_processor(
-    settings: Settings, analysis: FaceAnalysisBackend, stores: WorkerStores
+    settings: Settings,
+    analysis: FaceAnalysisBackend,
+    stores: WorkerStores,
+    on_search: SearchObserver | None = None,
 ) -> TransactionProcessor:
+    """on_search: told each face search outcome the processor makes final, with its tenant (the score
+    metrics)."""
     policy = ProcessingPolicy(
         model_version=serving_face_model(settings).version,
         max_matches=settings.search.max_matches,
@@ -55,8 +61,9 @@ def build_processor(
         lock=lock_policy(settings),
         age_rule=AgeIntervalRule.load(minor_cleared_rate=settings.models.age_minor_cleared_rate),
     )
+    transactions = stores.redis.transactions
     return TransactionProcessor(
-        stores.redis.transactions,
+        OutcomeReporting(transactions, on_search) if on_search is not None else transactions,
         stores.redis.records,
         stores.gallery,
         stores.blobs,
@@ -87,10 +94,11 @@ def build_worker(
     consumer: str,
     on_processed: Callable[[float], None] | None = None,
     stores: WorkerStores | None = None,
+    on_search: SearchObserver | None = None,
 ) -> tuple[QueueWorker, WorkerStores]:
     """The queue worker on `stores` (default: built here); returns them for the rest of the process."""
     stores = stores if stores is not None else WorkerStores.build(settings)
-    processor = build_processor(settings, analysis, stores)
+    processor = build_processor(settings, analysis, stores, on_search)
     worker = QueueWorker(
         consumer, stores.redis.transactions, processor, worker_policy(settings), on_processed
     )

@@ -79,7 +79,6 @@ class FakeClientStore:
         self._clients[client_id] = updated
         return updated
 
-
     async def default_min_score(self) -> float | None:
         await asyncio.sleep(0)
         return self._default_min_score
