@@ -64,6 +64,9 @@ def add_parser(commands: Any) -> None:
         help="write the score table of an operator's face model (FACESEARCH_FACE_MODEL_PATH) fitted on "
         "these photos; serve it with FACESEARCH_FACE_MODEL_SCORES=FILE",
     )
+    parser.add_argument(
+        "--confidence", type=float, default=0.95, help="of the intervals reported (default 0.95)"
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument(
         "--threads", type=int, default=2, help="ONNX Runtime threads per analysis (default 2)"
@@ -107,7 +110,9 @@ async def _run(options: argparse.Namespace, attach: Callable[[], Settings]) -> i
         comparisons = compare(measured)
         if options.write_scores is not None:
             scores = _write_scores(comparisons.nonmated, version, options.write_scores)
-        report = calibrate(comparisons, options.target_fpir, options.gallery_size, version, scores)
+        report = calibrate(
+            comparisons, options.target_fpir, options.gallery_size, version, scores, options.confidence
+        )
     except (LabelsError, ModelError, ValueError) as error:
         raise CalibrationFailed(str(error)) from error
     print(json.dumps(report_json(report), indent=1) if options.json else report_text(report), flush=True)
@@ -257,8 +262,12 @@ def report_json(report: Any) -> dict[str, Any]:
         "nonmated_comparisons": len(comparisons.nonmated),
         "mated_probes": len(comparisons.mated),
         "target": _finite(dataclasses.asdict(report.target)),
+        "confidence": report.confidence,
+        "compared_people": comparisons.compared_people,
         "cosine_interval": list(report.cosine_interval),
         "score_interval": list(report.score_interval) if report.score_interval else None,
+        "people_interval": dataclasses.asdict(report.people) if report.people else None,
+        "people_score_interval": list(report.people_score_interval) if report.people_score_interval else None,
         "table": [_finite(dataclasses.asdict(point)) for point in report.table],
         "warnings": list(report.warnings),
     }
@@ -269,6 +278,15 @@ def _finite(row: dict[str, Any]) -> dict[str, Any]:
     return {
         key: None if isinstance(value, float) and math.isnan(value) else value for key, value in row.items()
     }
+
+
+def _range(bounds: tuple[float, float]) -> str:
+    return f"{_percent(bounds[0])} to {_percent(bounds[1])}"
+
+
+def _interval(scores: tuple[float, float] | None, cosines: tuple[float, float]) -> str:
+    similarity = f"similarity {cosines[0]:.4f} to {cosines[1]:.4f}"
+    return similarity if scores is None else f"min_score {scores[0]:.4f} to {scores[1]:.4f}, {similarity}"
 
 
 def _percent(value: float) -> str:
@@ -319,22 +337,27 @@ def report_text(report: Any) -> str:
     for row in [header, *rows]:
         lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
     target = report.target
-    low, high = report.cosine_interval
-    threshold = f"similarity {target.cosine:.4f} (95 % interval {low:.4f} to {high:.4f})"
-    if target.score is not None and report.score_interval is not None:
-        score_low, score_high = report.score_interval
-        threshold = (
-            f"min_score {target.score:.4f} (95 % interval {score_low:.4f} to {score_high:.4f}); " + threshold
-        )
-    fpir_low, fpir_high = target.fpir_interval
+    level = f"{100 * report.confidence:g} %"
     lines += [
         "",
-        f"threshold for FPIR {target.target_fpir:g} at N = {size}: {threshold}, from {n:,} non-mated "
-        "comparisons",
-        f"  at it: FPIR {_percent(target.fpir)} (95 % interval {_percent(fpir_low)} to "
-        f"{_percent(fpir_high)}), FNIR {_percent(target.fnir)} ({target.misses:,} of "
-        f"{len(comparisons.mated):,} mated probes)",
+        f"threshold for FPIR {target.target_fpir:g} at N = {size}: "
+        + (f"min_score {target.score:.4f}, " if target.score is not None else "")
+        + f"similarity {target.cosine:.4f}",
+        f"  {level} interval from the {n:,} non-mated comparisons: "
+        + _interval(report.score_interval, report.cosine_interval),
     ]
+    over_people = ""
+    if report.people is not None:
+        lines.append(
+            f"  {level} interval over the {comparisons.compared_people:,} people compared (resampled): "
+            + _interval(report.people_score_interval, report.people.cosine)
+        )
+        over_people = f", {_range(report.people.fpir)} over people"
+    lines.append(
+        f"  at it: FPIR {_percent(target.fpir)} ({level} interval {_range(target.fpir_interval)} from the "
+        f"comparisons{over_people}), FNIR {_percent(target.fnir)} ({target.misses:,} of "
+        f"{len(comparisons.mated):,} mated probes)"
+    )
     if target.score is None:
         lines.append("  no score table for this face model yet: --write-scores FILE fits one on these photos")
     lines += [f"warning: {warning}" for warning in report.warnings]

@@ -158,12 +158,17 @@ async def _measure(
 class Comparisons:
     """The similarities the service would compute between the photos (see the module's docstring)."""
 
-    nonmated: np.ndarray  # float64, one per pair of photos of different people
-    mated: np.ndarray  # float64, one per mated probe (its similarity to its gallery entry)
+    nonmated: np.ndarray  # one per pair of photos of different people, highest first
+    mated: np.ndarray  # one per mated probe (its similarity to its gallery entry)
     photos: int
     identities: int
     gallery_entries: int  # identities with a photo that meets the enrolment bar
     skipped: dict[str, int] = field(default_factory=dict)  # why photos were left out -> how many
+    # The two people of each non-mated comparison (indices into the people compared), in nonmated's order:
+    # comparisons that share a person are not independent (look-alikes), so the intervals over people
+    # resample people, not comparisons.
+    people: tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.int32), np.zeros(0, np.int32))
+    compared_people: int = 0
 
 
 def compare(photos: Sequence[MeasuredPhoto]) -> Comparisons:
@@ -180,27 +185,37 @@ def compare(photos: Sequence[MeasuredPhoto]) -> Comparisons:
     if not usable:
         return Comparisons(np.zeros(0), np.zeros(0), len(photos), len(identities), 0, skipped)
     vectors = np.stack([photo.embedding for photo in usable if photo.embedding is not None]).astype(
-        np.float64
+        np.float32
     )
-    labels = np.asarray([photo.identity for photo in usable])
+    names, person = np.unique([photo.identity for photo in usable], return_inverse=True)
+    person = person.astype(np.int32)
     enrol = np.asarray([photo.enrol_ok for photo in usable])
     similarity = vectors @ vectors.T
-    upper = np.triu_indices(len(usable), 1)
-    different = labels[upper[0]] != labels[upper[1]]
-    comparable = enrol[upper[0]] | enrol[upper[1]]
-    nonmated = similarity[upper][different & comparable]
+    first, second = np.triu_indices(len(usable), 1)
+    kept = (person[first] != person[second]) & (enrol[first] | enrol[second])
+    first, second = first[kept], second[kept]
+    nonmated = similarity[first, second]
+    order = np.argsort(-nonmated, kind="stable")
     mated: list[float] = []
     entries = 0
-    for identity in identities:
-        members = [i for i in range(len(usable)) if labels[i] == identity]
-        enrolled = [i for i in members if enrol[i]]
+    members: dict[int, list[int]] = {}
+    for index, who in enumerate(person.tolist()):
+        members.setdefault(who, []).append(index)
+    for photos_of_one in members.values():
+        enrolled = [i for i in photos_of_one if enrol[i]]
         if not enrolled:
             continue
         entries += 1
-        entry = enrolled[0]
-        mated.extend(float(similarity[entry, i]) for i in members if i != entry)
+        mated.extend(float(similarity[enrolled[0], i]) for i in photos_of_one if i != enrolled[0])
     return Comparisons(
-        np.sort(nonmated)[::-1], np.asarray(mated), len(photos), len(identities), entries, skipped
+        nonmated=nonmated[order].astype(np.float64),
+        mated=np.asarray(mated, dtype=np.float64),
+        photos=len(photos),
+        identities=len(identities),
+        gallery_entries=entries,
+        skipped=skipped,
+        people=(person[first][order], person[second][order]),
+        compared_people=len(names),
     )
 
 
@@ -300,9 +315,19 @@ class OperatingPoint:
     false_matches: int  # non-mated comparisons at or above it
     fmr: float
     fpir: float  # measured FMR carried to the gallery size
-    fpir_interval: tuple[float, float]  # 95 % (Clopper-Pearson on the FMR, carried to the gallery size)
+    # Clopper-Pearson on the FMR (comparisons taken as independent), carried to the gallery size.
+    fpir_interval: tuple[float, float]
     fnir: float  # mated probes below it
     misses: int
+
+
+@dataclass(frozen=True)
+class PeopleInterval:
+    """Intervals from resampling the people compared (see people_intervals)."""
+
+    cosine: tuple[float, float]  # of the threshold for the target
+    fmr: tuple[float, float]  # of the FMR at the chosen threshold
+    fpir: tuple[float, float]  # that FMR carried to the gallery size
 
 
 @dataclass(frozen=True)
@@ -310,17 +335,27 @@ class CalibrationReport:
     model_version: str
     gallery_size: int
     gallery_size_stated: bool  # False: the number of gallery entries among the photos was used
+    confidence: float
     comparisons: Comparisons
     target: OperatingPoint
-    # The 95 % interval of the threshold for the target, as similarities and as scores (None: no table).
+    # The interval of the threshold for the target from the number of non-mated comparisons, as
+    # similarities and as scores (None: no score table).
     cosine_interval: tuple[float, float]
     score_interval: tuple[float, float] | None
+    # The same from resampling people (wider when look-alike people make many comparisons each); None when
+    # the comparisons do not say whose they are.
+    people: PeopleInterval | None
+    people_score_interval: tuple[float, float] | None
     table: tuple[OperatingPoint, ...]
     warnings: tuple[str, ...]
 
 
 def operating_point(
-    comparisons: Comparisons, target_fpir: float, gallery_size: int, scores: FaceScoreCalibration | None
+    comparisons: Comparisons,
+    target_fpir: float,
+    gallery_size: int,
+    scores: FaceScoreCalibration | None,
+    confidence: float = CONFIDENCE,
 ) -> OperatingPoint:
     nonmated, n = comparisons.nonmated, len(comparisons.nonmated)
     target_fmr = fmr_for_fpir(target_fpir, gallery_size)
@@ -335,7 +370,7 @@ def operating_point(
         cosine = float(np.nextafter(nonmated[allowed], np.inf))
     false_matches = int(np.count_nonzero(nonmated >= cosine))
     fmr = false_matches / n if n else 0.0
-    low, high = clopper_pearson(false_matches, n)
+    low, high = clopper_pearson(false_matches, n, confidence)
     mated = comparisons.mated
     misses = int(np.count_nonzero(mated < cosine))
     return OperatingPoint(
@@ -361,20 +396,73 @@ def _score(scores: FaceScoreCalibration | None, cosine: float) -> float | None:
     return min(1.0, math.ceil(scores.score(cosine) * 1e6) / 1e6)
 
 
-def threshold_interval(comparisons: Comparisons, target_fmr: float) -> tuple[float, float]:
-    """The 95 % interval of the similarity whose true FMR is target_fmr (distribution-free: order
-    statistics at the binomial quantiles of the number of comparisons above it)."""
+def _just_above(nonmated: np.ndarray, rank: int) -> float:
+    """The threshold that the `rank` highest comparisons reach and the next does not."""
+    return float(np.nextafter(nonmated[rank], np.inf)) if rank < len(nonmated) else float(nonmated[-1])
+
+
+def threshold_interval(
+    comparisons: Comparisons, target_fmr: float, confidence: float = CONFIDENCE
+) -> tuple[float, float]:
+    """The interval of the similarity whose true FMR is target_fmr, from the number of non-mated
+    comparisons (distribution-free: order statistics at the binomial quantiles of the number of
+    comparisons above it)."""
     nonmated, n = comparisons.nonmated, len(comparisons.nonmated)
     if n == 0:
         return 1.0, 1.0
-    alpha = 1.0 - CONFIDENCE
+    alpha = 1.0 - confidence
     fewest = binomial_quantile(alpha / 2, n, target_fmr)
     most = binomial_quantile(1.0 - alpha / 2, n, target_fmr)
+    return _just_above(nonmated, most), _just_above(nonmated, fewest)
 
-    def above(rank: int) -> float:
-        return float(np.nextafter(nonmated[rank], np.inf)) if rank < n else float(nonmated[-1])
 
-    return above(most), above(fewest)
+# Resampling people: enough resamples for a 95 % interval; a fixed seed, so the same photos give the same
+# report every time.
+PEOPLE_RESAMPLES = 400
+PEOPLE_SEED = 20261129
+
+
+def people_intervals(
+    comparisons: Comparisons,
+    target_fmr: float,
+    threshold: float,
+    gallery_size: int,
+    confidence: float = CONFIDENCE,
+) -> PeopleInterval | None:
+    """Intervals that count people, not comparisons: the comparisons of one look-alike pair of people rise
+    and fall together, so the binomial interval (which takes every comparison as independent) is too
+    narrow when the photos hold few people. The people compared are drawn again with replacement
+    (PEOPLE_RESAMPLES times); a comparison of people a and b then counts count(a) * count(b) times. Each
+    draw gives a threshold for the target and an FMR at the chosen threshold; the interval is their
+    central `confidence` share (with 400 draws, a confidence above 0.995 reads the extremes). None when the
+    comparisons do not say whose they are."""
+    nonmated, n = comparisons.nonmated, len(comparisons.nonmated)
+    if n == 0 or comparisons.compared_people < 2 or len(comparisons.people[0]) != n:
+        return None
+    first, second = comparisons.people
+    rng = np.random.default_rng(PEOPLE_SEED)
+    people = comparisons.compared_people
+    above = int(np.count_nonzero(nonmated >= threshold))  # the highest `above` comparisons (sorted)
+    thresholds, fmrs = [], []
+    for _ in range(PEOPLE_RESAMPLES):
+        drawn = rng.multinomial(people, np.full(people, 1.0 / people)).astype(np.float64)
+        weight = drawn[first] * drawn[second]
+        cumulative = np.cumsum(weight)
+        total = float(cumulative[-1])
+        if total <= 0.0:
+            continue
+        allowed = int(np.searchsorted(cumulative, target_fmr * total, side="right"))
+        thresholds.append(_just_above(nonmated, allowed))
+        fmrs.append(float(cumulative[above - 1]) / total if above else 0.0)
+    alpha = 1.0 - confidence
+    quantiles = [alpha / 2, 1.0 - alpha / 2]
+    low, high = (float(v) for v in np.quantile(fmrs, quantiles))
+    cosine_low, cosine_high = (float(v) for v in np.quantile(thresholds, quantiles))
+    return PeopleInterval(
+        cosine=(cosine_low, cosine_high),
+        fmr=(low, high),
+        fpir=(fpir_at_gallery(low, gallery_size), fpir_at_gallery(high, gallery_size)),
+    )
 
 
 def calibrate(
@@ -383,33 +471,43 @@ def calibrate(
     gallery_size: int | None,
     model_version: str,
     scores: FaceScoreCalibration | None,
+    confidence: float = CONFIDENCE,
 ) -> CalibrationReport:
     if not 0.0 < target_fpir < 1.0:
         raise ValueError(f"the target FPIR must lie in (0, 1), got {target_fpir}")
+    if not 0.5 <= confidence < 1.0:
+        raise ValueError(f"the confidence must lie in [0.5, 1), got {confidence}")
     stated = gallery_size is not None
     size = gallery_size if gallery_size is not None else max(1, comparisons.gallery_entries)
     if size < 1:
         raise ValueError(f"the gallery size must be at least 1, got {size}")
-    target = operating_point(comparisons, target_fpir, size, scores)
-    low, high = threshold_interval(comparisons, target.target_fmr)
-    score_interval = None
-    if scores is not None:
-        score_interval = (_score(scores, low) or 0.0, _score(scores, high) or 0.0)
+    target = operating_point(comparisons, target_fpir, size, scores, confidence)
+    low, high = threshold_interval(comparisons, target.target_fmr, confidence)
+    people = people_intervals(comparisons, target.target_fmr, target.cosine, size, confidence)
     table = tuple(
-        operating_point(comparisons, fpir, size, scores)
+        operating_point(comparisons, fpir, size, scores, confidence)
         for fpir in sorted({*REPORT_FPIRS, target_fpir}, reverse=True)
     )
     return CalibrationReport(
         model_version=model_version,
         gallery_size=size,
         gallery_size_stated=stated,
+        confidence=confidence,
         comparisons=comparisons,
         target=target,
         cosine_interval=(low, high),
-        score_interval=score_interval,
+        score_interval=_scores(scores, (low, high)),
+        people=people,
+        people_score_interval=_scores(scores, people.cosine) if people is not None else None,
         table=table,
-        warnings=tuple(_warnings(comparisons, target, size)),
+        warnings=tuple(_warnings(comparisons, target, size, people)),
     )
+
+
+def _scores(scores: FaceScoreCalibration | None, cosines: tuple[float, float]) -> tuple[float, float] | None:
+    if scores is None:
+        return None
+    return (_score(scores, cosines[0]) or 0.0, _score(scores, cosines[1]) or 0.0)
 
 
 def photos_for(comparisons_needed: float) -> int:
@@ -417,7 +515,9 @@ def photos_for(comparisons_needed: float) -> int:
     return math.ceil((1.0 + math.sqrt(1.0 + 8.0 * comparisons_needed)) / 2.0)
 
 
-def _warnings(comparisons: Comparisons, target: OperatingPoint, gallery_size: int) -> list[str]:
+def _warnings(
+    comparisons: Comparisons, target: OperatingPoint, gallery_size: int, people: PeopleInterval | None
+) -> list[str]:
     notes: list[str] = []
     n = len(comparisons.nonmated)
     expected = target.target_fmr * n
@@ -437,6 +537,12 @@ def _warnings(comparisons: Comparisons, target: OperatingPoint, gallery_size: in
             f"above the threshold ({n:,} in all), so it is imprecise (see its interval); about "
             f"{needed:,.0f} comparisons (for instance {photos_for(needed):,} photos of different people) "
             f"would measure it to within a factor of about 1.6."
+        )
+    elif people is not None and people.fmr[1] > 2.0 * target.target_fmr:
+        notes.append(
+            f"few people for the target: the comparisons above the threshold come from few pairs of "
+            f"people, so over people the FMR at it could be up to {people.fmr[1]:.2g} (FPIR "
+            f"{people.fpir[1]:.2g}); photos of more people narrow it"
         )
     if len(comparisons.mated) < 30:
         notes.append(

@@ -1,13 +1,19 @@
 """`facesearch calibrate` fits a threshold on half of faces-calib's people and sets it on the running
 service (the session's) as the service-wide default; the other half, searched through the API against a
-gallery of the size calibrated for, then falls at the target FPIR within the binomial noise of both halves.
+gallery of the size calibrated for, then falls within the calibration's interval.
 
 Bounded: a fixed, deterministic subset (people sorted by name and dealt alternately into the two halves):
 CALIBRATION_PHOTOS photos analysed in this process, then GALLERY enrolments and NONMATED_PROBES searches
-through the API. The target (FPIR 10 % at a gallery of 60) is chosen so both halves measure it: about 80
-non-mated comparisons of the calibration half are expected above the threshold, and about 15 of the held-out
-searches, which keeps the acceptance band narrow enough to tell the calibrated bar from the default one
-(FPIR 1 %: about 1.5 of 150). Its cost on the shared 2-core machine is stated in the closing note.
+(one photo of each of as many other people) through the API.
+
+The tolerance comes from the data, at 99.9 % on each side. The calibration half's comparisons share people
+(a look-alike pair of people makes many high comparisons), so its FMR at the threshold is taken with its
+interval over people (resampled, `people_interval`), not the binomial one over comparisons, which measured
+3.5 times narrower on these photos. Carried to the gallery enrolled, that interval bounds the held-out
+FPIR; the held-out searches, one per person, are then binomial. The target, FPIR 30 % at a gallery of 60,
+is where both halves measure enough: the band it gives (about 16 to 111 false positives of 200) excludes
+what the service's default bar (FPIR 1 %) gives on these probes (1), so the test tells the applied
+threshold from the default one, as it must.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import httpx
 import pytest
 
 from serve_app.launch.cli import main
-from serve_app.pipelines.calibration import binomial_quantile, clopper_pearson, fpir_at_gallery
+from serve_app.pipelines.calibration import binomial_quantile, fpir_at_gallery
 from serve_app.wiring.stores import redis_stores
 from tests.faces_dev import FacesDev, LabelledImage
 from tests.integration.api_client import face_search_multipart, reference_of, wait_result
@@ -30,17 +36,18 @@ from tests.service_harness import RunningService
 
 pytestmark = pytest.mark.service
 
-TARGET_FPIR = 0.1
+TARGET_FPIR = 0.3
 GALLERY = 60
 CALIBRATION_PHOTOS = 300
-NONMATED_PROBES = 150
+NONMATED_PROBES = 200
 # Two-sided: the chance that a correct calibration lands outside the band (the photos are fixed, so a
 # result is the same on every run; this bounds how unlucky the fixed subset may be).
 ALPHA = 0.001
 
 
 def halves(calib: FacesDev) -> tuple[list[LabelledImage], list[LabelledImage], list[LabelledImage]]:
-    """(calibration photos, held-out gallery photos, held-out non-mated probes), deterministic."""
+    """(calibration photos, held-out gallery photos, held-out non-mated probes: one photo of each person
+    not enrolled), deterministic."""
     people = calib.by_identity()
     names = sorted(people)
     calibration: list[LabelledImage] = []
@@ -50,9 +57,29 @@ def halves(calib: FacesDev) -> tuple[list[LabelledImage], list[LabelledImage], l
         calibration.extend(people[name])
     held_out = names[1::2]
     gallery = [people[name][0] for name in held_out[:GALLERY]]
-    probes = [photo for name in held_out[GALLERY:] for photo in people[name]][:NONMATED_PROBES]
+    probes = [people[name][0] for name in held_out[GALLERY : GALLERY + NONMATED_PROBES]]
     assert len(gallery) == GALLERY and len(probes) == NONMATED_PROBES
     return calibration, gallery, probes
+
+
+async def service_default(service: RunningService, *, clear: bool) -> float | None:
+    """The service-wide minimum score in the service's Redis (cleared first when asked)."""
+    stores = redis_stores(service.settings)
+    try:
+        if clear:
+            await stores.clients.set_default_min_score(None)
+        return await stores.clients.default_min_score()
+    finally:
+        await stores.redis.aclose()
+
+
+async def gallery_size_of(service: RunningService, tenant: str) -> int:
+    """The tenant's enrolled faces, as the service counts them."""
+    stores = redis_stores(service.settings)
+    try:
+        return await stores.records.count(tenant)
+    finally:
+        await stores.redis.aclose()
 
 
 def _search_all(
@@ -80,31 +107,30 @@ def test_a_threshold_calibrated_on_half_the_people_holds_on_the_other_half(
 
     # The admin command reaches the running service as the operator's would: its data directory.
     monkeypatch.setenv("FACESEARCH_DATA_DIR", str(service.data_dir))
-    clients = redis_stores(service.settings).clients
     try:
         status = main(
             [
                 "calibrate", str(labels), "--photos", str(calib.root), "--target-fpir", str(TARGET_FPIR),
-                "--gallery-size", str(GALLERY), "--apply", "default", "--json", "--no-progress",
+                "--gallery-size", str(GALLERY), "--confidence", str(1 - ALPHA), "--apply", "default",
+                "--json", "--no-progress",
             ]
         )  # fmt: skip
         printed = capsys.readouterr()
         assert status == 0, printed.err
         report = json.loads(printed.out)
         target = report["target"]
-        assert report["gallery_size"] == GALLERY and target["measurable"] and not report["warnings"]
-        assert asyncio.run(clients.default_min_score()) == target["score"]
+        assert report["gallery_size"] == GALLERY and target["measurable"]
+        assert asyncio.run(service_default(service, clear=False)) == target["score"]
 
         # The held-out half, through the API, with no setting of the client's own: the default applies.
-        token = service.token_for(service.new_client("calibrate-held-out"))
+        client = service.new_client("calibrate-held-out")
+        token = service.token_for(client)
         with service.http(60) as http:
-            enrolled = _search_all(http, token, gallery, enroll_face=1)
-            gallery_size = sum(
-                bool(data["face_search_response"]["result"].get("enrolled")) for data in enrolled
-            )
+            _search_all(http, token, gallery, enroll_face=1)
+            gallery_size = asyncio.run(gallery_size_of(service, client.client_id))
             searched = _search_all(http, token, probes, enroll_face=0)
     finally:
-        asyncio.run(clients.set_default_min_score(None))
+        asyncio.run(service_default(service, clear=True))
 
     results = [data["face_search_response"]["result"] for data in searched]
     # Probes below the search bar are held to a ten times lower FPIR by the service and were left out of
@@ -113,9 +139,9 @@ def test_a_threshold_calibrated_on_half_the_people_holds_on_the_other_half(
     false_positives = sum(bool(r["matched_faces"]) for r in counted)
     assert gallery_size >= GALLERY - 5 and len(counted) >= NONMATED_PROBES - 10
 
-    # The calibration half measured the threshold's FMR (its false matches of its non-mated comparisons);
-    # carried to the gallery actually enrolled, the held-out count must fall in the binomial band of it.
-    low, high = clopper_pearson(target["false_matches"], report["nonmated_comparisons"], 1 - ALPHA)
+    # The calibration half's FMR at the threshold, over people, carried to the gallery actually enrolled,
+    # bounds the held-out FPIR; the held-out count is binomial around it.
+    low, high = report["people_interval"]["fmr"]
     fewest = binomial_quantile(ALPHA / 2, len(counted), fpir_at_gallery(low, gallery_size))
     most = binomial_quantile(1 - ALPHA / 2, len(counted), fpir_at_gallery(high, gallery_size))
     measured = false_positives / len(counted)

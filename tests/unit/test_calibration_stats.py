@@ -183,3 +183,41 @@ def test_thresholds_are_given_on_the_services_score_scale() -> None:
     assert low <= target.score <= high
     with pytest.raises(ValueError, match="target FPIR"):
         calibrate(_comparisons(nonmated, np.ones(3)), 1.5, 50, "t", table)
+
+
+def _people(photos_per_person: int, people: int, look_alike_pairs: int, seed: int) -> list[MeasuredPhoto]:
+    """Random unit vectors per person (photos close to their person's centre); the first look_alike_pairs
+    pairs of people share most of their centre, so all their cross comparisons score high together."""
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(people, 64))
+    for pair in range(look_alike_pairs):
+        centres[2 * pair + 1] = centres[2 * pair] + 0.35 * rng.normal(size=64)
+    photos = []
+    for person in range(people):
+        for photo in range(photos_per_person):
+            vector = centres[person] + 0.3 * rng.normal(size=64)
+            photos.append(
+                MeasuredPhoto(
+                    f"p{person}-{photo}", f"person-{person}", _unit(*vector), enrol_ok=True, search_ok=True
+                )
+            )
+    return photos
+
+
+def test_the_interval_over_people_widens_when_comparisons_share_people() -> None:
+    """Six photos a person and a few look-alike pairs: the comparisons above the threshold come from few
+    pairs of people, and the interval over people says so, far wider than the binomial one (which takes
+    the 36 comparisons of one pair of people as 36 independent ones); with one photo a person and no
+    look-alikes the two are much closer."""
+
+    def widening(photos: list[MeasuredPhoto]) -> float:
+        report = calibrate(compare(photos), 0.2, 10, "t", None)
+        assert report.people is not None
+        assert report.people.cosine[0] <= report.target.cosine <= report.people.cosine[1]
+        assert report.people.fmr[0] <= report.target.fmr <= report.people.fmr[1]
+        low, high = report.cosine_interval
+        return (report.people.cosine[1] - report.people.cosine[0]) / (high - low)
+
+    clustered = widening(_people(photos_per_person=6, people=60, look_alike_pairs=5, seed=1))
+    alone = widening(_people(photos_per_person=1, people=400, look_alike_pairs=0, seed=2))
+    assert clustered > 2 * alone
