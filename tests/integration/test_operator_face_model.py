@@ -77,10 +77,12 @@ def test_an_operator_model_is_calibrated_reindexed_onto_and_finds_the_enrolled_f
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
+    redis_url, milvus_uri = servers.redis_url, servers.milvus_uri
+    assert redis_url is not None and milvus_uri is not None
     for name, value in {
         "FACESEARCH_DATA_DIR": str(tmp_path / "data"),
-        "REDIS_URL": servers.redis_url,
-        "MILVUS_URI": servers.milvus_uri,
+        "REDIS_URL": redis_url,
+        "MILVUS_URI": milvus_uri,
         "FACESEARCH_SECRET_KEY": secrets.token_urlsafe(32),
         "FACESEARCH_KEY_PREFIX": "operator-model:",
     }.items():
@@ -146,7 +148,7 @@ def test_an_operator_model_is_calibrated_reindexed_onto_and_finds_the_enrolled_f
                     assert all(match.score >= threshold for match in found.matches)
         # The gallery moved: the new version's collection holds the faces; v2's vectors stay in v2's own.
         for served, dimension in ((version, 128), (MODEL_VERSION, 256)):
-            gallery = MilvusGalleryStore(servers.milvus_uri, model_version=served, dimension=dimension)
+            gallery = MilvusGalleryStore(milvus_uri, model_version=served, dimension=dimension)
             try:
                 ids, _ = await gallery.page_ids(client_id, None, 100)
                 assert len(ids) == len(people), served
