@@ -246,7 +246,8 @@ class SearchSettings(_Group):
     match_min_score: MinScore | None = Field(
         None,
         description="minimum match score; unset: calibrated per tenant for its gallery size (FPIR ≤ 1 %); "
-        "a tenant's `--min-score` comes first",
+        "a tenant's `--min-score` comes first, then the service-wide one set at run time (`facesearch "
+        "calibrate --apply default`, `facesearch clients update default`; docs/models.md)",
     )
 
 
