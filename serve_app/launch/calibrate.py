@@ -100,6 +100,8 @@ async def _run(options: argparse.Namespace, attach: Callable[[], Settings]) -> i
         raise CalibrationFailed(f"--target-fpir must lie in (0, 1), got {options.target_fpir}")
     if options.gallery_size is not None and options.gallery_size < 1:
         raise CalibrationFailed(f"--gallery-size must be at least 1, got {options.gallery_size}")
+    if not 0.5 <= options.confidence < 1.0:
+        raise CalibrationFailed(f"--confidence must lie in [0.5, 1), got {options.confidence}")
     # Reach the running service first: a wrong environment should not cost the whole analysis.
     service = _running_service(attach) if options.apply else None
     settings = service or Settings()
