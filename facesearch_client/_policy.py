@@ -14,12 +14,12 @@ from facesearch_client.calls import Call
 from facesearch_client.errors import TransactionFailed
 from facesearch_client.models import Pending, Result, parse_result
 
-RETRY_STATUSES = (429, 503)
+RETRY_STATUSES = (429, 503, 507)  # 507: the service's storage is full, nothing was created
 
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Back-off on 429 and 503: wait what Retry-After says (capped at max_wait_s), else an exponential
+    """Back-off on 429, 503 and 507: wait what Retry-After says (capped at max_wait_s), else an exponential
     delay from base_s; give up (RetriesExhausted) after max_retries retries."""
 
     max_retries: int = 5

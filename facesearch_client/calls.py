@@ -169,9 +169,12 @@ def error_of(response: httpx.Response) -> ApiError:
         message, errors = str(body.get("message", "")), dict(body.get("errors") or {})
     except (ValueError, AttributeError):
         message, errors = response.text[:200], {}
-    kind = {401: AuthenticationError, 429: RetriesExhausted, 503: RetriesExhausted}.get(
-        response.status_code, ApiError
-    )
+    kind = {
+        401: AuthenticationError,
+        429: RetriesExhausted,
+        503: RetriesExhausted,
+        507: RetriesExhausted,
+    }.get(response.status_code, ApiError)
     return kind(response.status_code, message or response.reason_phrase, errors)
 
 

@@ -357,11 +357,18 @@ class WebhookSettings(_Group):
         "a loopback, private, link-local or otherwise internal address, and over plain http (every other "
         "host must resolve to public addresses only and use https; docs/security.md)",
     )
-    connect_timeout_s: float = Field(5.0, gt=0, description="a delivery's TCP (and TLS) connect timeout")
-    read_timeout_s: float = Field(10.0, gt=0, description="a delivery's wait for the receiver's status line")
+    connect_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="a delivery's timeout for resolving the host's name, and for its TCP (and TLS) connect",
+    )
+    read_timeout_s: float = Field(10.0, gt=0, description="a delivery's wait for the receiver's answer")
     total_timeout_s: float = Field(15.0, gt=0, description="bound on one delivery attempt, all of it")
     max_response_bytes: int = Field(
-        16 * 1024, ge=256, description="the most of a receiver's answer read (its status line must fit)"
+        16 * 1024,
+        ge=256,
+        description="the longest status line and headers of a receiver's answer accepted (the body is never "
+        "read); a longer head fails the attempt",
     )
     retry_base_s: float = Field(
         5.0, gt=0, description="bound of the first retry's delay; each retry doubles it (full jitter)"
@@ -430,6 +437,12 @@ class RetentionSettings(_Group):
         description="how long an `Idempotency-Key` is remembered after its create: a retry within it "
         "answers the first request's reference_id, a key sent again later creates a new transaction. "
         "Bounded on purpose: every keyed create leaves about 270 bytes in Redis for this long",
+    )
+    audit_retention_s: int = Field(
+        365 * 24 * 3600,
+        ge=0,
+        description="entries of a tenant's gallery audit trail (deletions and erasures) are kept this long; "
+        "0 keeps them for ever, which lets the trail grow with every deletion request",
     )
     orphan_upload_grace_s: int = Field(
         3600,

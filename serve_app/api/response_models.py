@@ -198,6 +198,7 @@ _ERROR_DESCRIPTIONS: dict[int, str] = {
     429: "Rate limited; see Retry-After",
     503: "Redis, Milvus or a model is unavailable; retry later. The message is fixed: what the backend said "
     "goes to the service log only",
+    507: "The service's storage is full; nothing was created: retry after Retry-After",
 }
 Responses = dict[int | str, dict[str, Any]]
 
@@ -212,7 +213,7 @@ def error_responses(*codes: int, **descriptions: str) -> Responses:
             "model": ErrorEnvelope,
             "description": descriptions.get(f"s{code}", _ERROR_DESCRIPTIONS.get(code, "")),
         }
-        if code == 429:
+        if code in (429, 503, 507):
             entry["headers"] = {"Retry-After": _RETRY_LATER}
         table[code] = entry
     return table

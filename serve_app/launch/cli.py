@@ -36,6 +36,7 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
+from serve_app.domain.gallery import DEFAULT_PAGE_SIZE
 from serve_app.launch import calibrate
 from serve_app.settings import MaxMatches, MinScore, Settings, development_secret_path
 
@@ -523,7 +524,9 @@ def main(argv: list[str] | None = None) -> int:
     webhooks_parser.add_argument("action", choices=("show", "rotate-secret", "deliveries", "redeliver"))
     webhooks_parser.add_argument("client_id")
     webhooks_parser.add_argument("event_id", nargs="?", help="redeliver: the event (evt_...)")
-    webhooks_parser.add_argument("--limit", type=int, default=20, help="deliveries: how many (newest first)")
+    webhooks_parser.add_argument(
+        "--limit", type=int, default=DEFAULT_PAGE_SIZE, help="deliveries: how many (newest first)"
+    )
     commands.add_parser(
         "backends",
         help="run embedded Redis/Milvus for `serve run` until interrupted; prints REDIS_URL and MILVUS_URI",

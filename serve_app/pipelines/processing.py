@@ -23,6 +23,7 @@ from models.calibration import DEFAULT_FPIR, FaceScoreCalibration
 from models.types import AnalyzedFace, FaceQuality, largest_face
 from serve_app.domain.errors import ServiceError
 from serve_app.domain.faces import FaceRecord
+from serve_app.domain.identifiers import enrolled_face_id as enrolled_face_id  # re-exported: the rule's home
 from serve_app.domain.outcomes import (
     AgeDecisionReport,
     AgeEstimationOutcome,
@@ -105,10 +106,6 @@ def age_decision_report(decision: AgeDecision, quality: FaceQuality | None) -> A
     if decision.reason == "face_quality" and quality is not None:
         report = dataclasses.replace(quality_report(quality), reasons=decision.quality_reasons)
     return AgeDecisionReport(reason=decision.reason, quality=report)
-
-
-def enrolled_face_id(reference_id: str) -> str:
-    return f"f{reference_id}"
 
 
 class TransactionProcessor:
@@ -334,15 +331,14 @@ class TransactionProcessor:
         decision = decide_age(faces, self._policy.age_rule)
         if subject is None or decision is None:
             return AgeEstimationOutcome(age=None, under_18=None, under_21=None)
-        age = decision.estimate
         unindexed: tuple[QualityReport, ...] = ()
         enrolled = False
         if tx.enroll_face and subject.embedding is not None:
             unindexed, enrolled = await self._enroll_if_good(tx, subject)
         return AgeEstimationOutcome(
-            age=age.age,
-            under_18=age.under_18,
-            under_21=age.under_21,
+            age=decision.estimate.age,
+            under_18=decision.under_18,
+            under_21=decision.under_21,
             unindexed_faces=unindexed,
             enrolled=enrolled,
             age_decision=age_decision_report(decision, subject.quality),

@@ -77,7 +77,7 @@ def redis_stores(settings: Settings, redis: Redis | None = None) -> RedisStores:
         ),
         limiter=RedisRateLimiter(redis, prefix=prefix),
         admission=RedisRequestAdmission(redis, prefix=prefix),
-        audit=RedisAuditLog(redis, prefix=prefix),
+        audit=RedisAuditLog(redis, prefix=prefix, retention_s=retention.audit_retention_s or None),
     )
 
 

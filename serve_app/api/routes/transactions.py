@@ -93,7 +93,7 @@ def router() -> APIRouter:
         summary="Search the tenant's gallery for the largest face (1:N), and enrol it",
         openapi_extra=request_body({parsing.JSON: FaceSearchJson, parsing.MULTIPART: FaceSearchForm}),
         response_model=Envelope[CreatedData],
-        responses={200: {"description": "Transaction created"}, **error_responses(413)},
+        responses={200: {"description": "Transaction created"}, **error_responses(413, 507)},
     )
     async def face_search(
         tenant: Tenant,
@@ -125,7 +125,7 @@ def router() -> APIRouter:
                 "envelope",
             },
             **pending_response(long_polling=False),
-            **error_responses(413),
+            **error_responses(413, 507),
         },
     )
     async def age_estimation(
