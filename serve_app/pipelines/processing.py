@@ -58,7 +58,8 @@ class ProcessingPolicy:
     model_version: str
     max_matches: int  # default; a tenant may override it (ClientInfo.max_matches)
     # None: the minimum score follows the tenant's gallery size (FPIR <= fpir); a tenant's own
-    # ClientInfo.min_score comes first, then this service-wide value, then the calibrated default.
+    # ClientInfo.min_score comes first, then the service-wide one set at run time (ClientStore.
+    # default_min_score), then this setting, then the calibrated default.
     min_score: float | None
     max_image_pixels: int
     analysis_max_side: int
@@ -242,8 +243,11 @@ class TransactionProcessor:
         if cached is not None and now - cached.read_at < self._policy.tenant_cache_s:
             return cached
         info = await self._clients.get(tenant_id) if self._clients is not None else None
+        own = info.min_score if info is not None else None
+        # A tenant's own minimum score, else the service-wide one set at run time (ClientStore).
+        service_wide = await self._clients.default_min_score() if self._clients and own is None else None
         fresh = _TenantSearch(
-            min_score=info.min_score if info is not None else None,
+            min_score=own if own is not None else service_wide,
             max_matches=info.max_matches if info is not None else None,
             gallery_size=await self._records.count(tenant_id),
             read_at=now,

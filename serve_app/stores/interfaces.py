@@ -379,6 +379,14 @@ class ClientStore(Protocol):
     ) -> ClientInfo | None:
         """Set (a value) or clear (None) the tenant's overrides; None when the client is unknown."""
 
+    async def default_min_score(self) -> float | None:
+        """The service-wide minimum match score set on the running service (`facesearch calibrate --apply
+        default`, `facesearch clients update default`); None when none is set. A tenant's own comes first;
+        it comes before FACESEARCH_MATCH_MIN_SCORE and the gallery-size default."""
+
+    async def set_default_min_score(self, min_score: float | None) -> None:
+        """Set (a value) or clear (None) the service-wide minimum match score."""
+
 
 @dataclass(frozen=True)
 class Admission:
