@@ -10,6 +10,7 @@ the first one into the domain error that serve_app/api/errors.py maps to HTTP.""
 
 from __future__ import annotations
 
+import base64
 import binascii
 import re
 from collections.abc import Callable, Mapping
@@ -220,14 +221,12 @@ def _image_from_data_uri(value: str, info: ValidationInfo) -> bytes:
             kind="unsupported",
         )
     try:
-        # strict_mode checks the alphabet and the padding in C, as b64decode(validate=True) does with a
-        # regular expression over the whole payload first (0.3-0.4 ms more per face search photo).
-        return binascii.a2b_base64(payload, strict_mode=True)
+        return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         pass
     try:
         # Line-wrapped Base64 (MIME style) is still Base64: drop the whitespace and try once more.
-        return binascii.a2b_base64("".join(payload.split()), strict_mode=True)
+        return base64.b64decode("".join(payload.split()), validate=True)
     except (binascii.Error, ValueError):
         raise broken("'file' is not valid Base64.", "file", "invalid Base64") from None
 
