@@ -585,3 +585,27 @@ def test_healthz_needs_no_credentials() -> None:
         assert response.json() == {"status": True}
 
     asyncio.run(scenario())
+
+
+def test_openapi_documents_prefer_wait_on_the_creates() -> None:
+    async def scenario() -> dict[str, Any]:
+        api = await build_api()
+        async with api.http() as http:
+            return dict((await http.get("/openapi.json")).json())
+
+    document = asyncio.run(scenario())
+    schemas = document["components"]["schemas"]
+    for path, result_data in (("/face-search", "FaceSearchData"), ("/age-estimation", "AgeData")):
+        operation = document["paths"][path]["post"]
+        prefer = [p for p in operation["parameters"] if p["in"] == "header" and p["name"] == "Prefer"]
+        assert len(prefer) == 1 and "wait=" in prefer[0]["description"]
+        created = operation["responses"]["200"]
+        assert "Preference-Applied" in created["headers"]
+        # The 200 body is the create's envelope or the result itself (or the failed-transaction envelope).
+        body = created["content"]["application/json"]["schema"]
+        names = {ref["$ref"].rsplit("/", 1)[1] for ref in body["anyOf"]}
+        assert "FailedTransaction" in names
+        envelope = next(name for name in names if name.startswith("Envelope"))
+        data = schemas[envelope]["properties"]["result"]["$ref"].rsplit("/", 1)[1]
+        inner = schemas[data]["properties"]["data"]["anyOf"]
+        assert {ref["$ref"].rsplit("/", 1)[1] for ref in inner} == {"CreatedData", result_data}
