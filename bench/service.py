@@ -9,13 +9,16 @@ estimation with wait_for_result=1 and create + polling; at each client count, wi
 of the in-process rate on the same photos, and p50/p95/p99 latency.
 
     python -m bench.service [--requests 64] [--topology in_process split] [--concurrency 1 8 32]
-                            [--calls NAME ...] [--client-processes N] [--cpu]
+                            [--calls NAME ...] [--client-processes N] [--cpu] [--baseline-per-phase]
 
 With both topologies (the default) each gets a fresh service in turn, and the one table compares them:
 in_process as config/serve.yaml ships it (direct ingress), split through Serve's proxy. The clients are
 the SDK (facesearch_client) sending over aiohttp from `--client-processes` worker processes
 (bench.load_client.LoadGenerator, pools as large as the client count); the table's last column is the
 busiest client process' CPU as a share of one core (near 100 %: the client set the pace, not the service).
+On a machine shared with other work, --baseline-per-phase measures the in-process rate again right before
+each phase and compares the phase with that ("74% of 20.3"), so a change in the machine's load between the
+start and a phase does not land in the share.
 
 With --cpu, each phase also reads the CPU time of every process of this benchmark's own process tree (the
 service it started, its Ray node, Redis, Milvus and the client processes; other programs on the machine
@@ -45,6 +48,7 @@ from collections import defaultdict
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bench.common import format_table, percentile
 from bench.load_client import CALL_KINDS, Credentials, LoadGenerator, default_processes
@@ -65,34 +69,46 @@ class InProcessRate:
     model_cpu_ms: float
 
 
-def in_process_rate(paths: list[Path], workload: str, threads: int, rounds: int) -> InProcessRate:
+class InProcessBaseline:
     """The transaction's own work with no service around it: decode the uploaded bytes exactly as the
     worker does (serve_app.imaging.decode with the service's limits), then run the models the transaction
     needs, in batches of 16 (no run of the CPU worker is larger, so the baseline has every saving that
-    batching gives). Best of `rounds`."""
-    from models.analyzer import ModelConfig, load_face_analyzer
-    from serve_app.imaging.decode import decode_image
-    from serve_app.settings import Settings
+    batching gives). The models load once; measure() may run again before each phase."""
 
-    limits = Settings.from_env()
-    max_pixels, max_side = limits.limits.max_image_pixels, limits.models.analysis_max_side
-    embed, estimate_age = WORKLOAD_NEEDS[workload]
-    analyzer = load_face_analyzer(ModelConfig(intra_op_threads=threads))
-    uploads = [path.read_bytes() for path in paths]
-    decoded = [decode_image(data, max_pixels, max_side).pixels for data in uploads]
-    analyzer.analyze(decoded[:4], embed=embed, estimate_age=estimate_age)  # warm-up
-    best_wall, best_model_cpu = float("inf"), float("inf")
-    for _ in range(rounds):
-        started = time.perf_counter()
-        for start in range(0, len(uploads), 16):
-            pixels = [decode_image(data, max_pixels, max_side).pixels for data in uploads[start : start + 16]]
-            analyzer.analyze(pixels, embed=embed, estimate_age=estimate_age)
-        best_wall = min(best_wall, time.perf_counter() - started)
-        cpu_started = time.process_time()
-        for start in range(0, len(decoded), 16):
-            analyzer.analyze(decoded[start : start + 16], embed=embed, estimate_age=estimate_age)
-        best_model_cpu = min(best_model_cpu, time.process_time() - cpu_started)
-    return InProcessRate(len(uploads) / best_wall, best_model_cpu * 1000 / len(uploads))
+    def __init__(self, paths: list[Path], workload: str, threads: int) -> None:
+        from models.analyzer import ModelConfig, load_face_analyzer
+        from serve_app.settings import Settings
+
+        limits = Settings.from_env()
+        self._max_pixels, self._max_side = limits.limits.max_image_pixels, limits.models.analysis_max_side
+        self._embed, self._estimate_age = WORKLOAD_NEEDS[workload]
+        self._analyzer = load_face_analyzer(ModelConfig(intra_op_threads=threads))
+        self._uploads = [path.read_bytes() for path in paths]
+        self._decoded = [self._decode(data) for data in self._uploads]
+        self._analyze(self._decoded[:4])  # warm-up
+
+    def _decode(self, data: bytes) -> Any:
+        from serve_app.imaging.decode import decode_image
+
+        return decode_image(data, self._max_pixels, self._max_side).pixels
+
+    def _analyze(self, pixels: list[Any]) -> None:
+        self._analyzer.analyze(pixels, embed=self._embed, estimate_age=self._estimate_age)
+
+    def measure(self, rounds: int) -> InProcessRate:
+        """Best of `rounds`."""
+        best_wall, best_model_cpu = float("inf"), float("inf")
+        for _ in range(rounds):
+            started = time.perf_counter()
+            for start in range(0, len(self._uploads), 16):
+                self._analyze([self._decode(data) for data in self._uploads[start : start + 16]])
+            best_wall = min(best_wall, time.perf_counter() - started)
+            cpu_started = time.process_time()
+            for start in range(0, len(self._decoded), 16):
+                self._analyze(self._decoded[start : start + 16])
+            best_model_cpu = min(best_model_cpu, time.process_time() - cpu_started)
+        count = len(self._uploads)
+        return InProcessRate(count / best_wall, best_model_cpu * 1000 / count)
 
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
@@ -184,8 +200,11 @@ def service_rows(
     workloads: Workloads,
     baseline: dict[str, InProcessRate],
     args: argparse.Namespace,
+    baselines: dict[str, InProcessBaseline] | None = None,
 ) -> tuple[list[list[str]], CpuColumns]:
-    """Each kind of call at each client count: the table's rows, and with --cpu the CPU of each process."""
+    """Each kind of call at each client count: the table's rows, and with --cpu the CPU of each process.
+    With `baselines` (--baseline-per-phase) each phase is compared with the in-process rate measured just
+    before it, on the same photos, rather than with the one measured before the service started."""
     rows: list[list[str]] = []
     cpu: CpuColumns = defaultdict(dict)
     client = service.new_client("bench")
@@ -198,6 +217,7 @@ def service_rows(
         for name in args.calls:
             workload = CALL_KINDS[name][1]
             for concurrency in args.concurrency:
+                reference = baselines[workload].measure(1).images_per_s if baselines else None
                 before = process_tree_cpu(load.pids) if args.cpu else {}
                 phase = load.run(name, args.requests, concurrency, args.phase_timeout)
                 if args.cpu and phase.latencies:
@@ -205,12 +225,13 @@ def service_rows(
                     count = len(phase.latencies)
                     cpu[concurrency][name] = {role: seconds * 1000 / count for role, seconds in spent.items()}
                 throughput = len(phase.latencies) / phase.elapsed_s
+                share = f"{throughput / (reference or baseline[workload].images_per_s):.0%}"
                 rows.append(
                     [
                         f"service {name}",
                         str(concurrency),
                         f"{throughput:.1f}",
-                        f"{throughput / baseline[workload].images_per_s:.0%}",
+                        f"{share} of {reference:.1f}" if reference else share,
                         *(f"{percentile(phase.latencies, q) * 1000:.0f}" for q in (50, 95, 99)),
                         str(phase.failures),
                         f"{phase.busiest_client_share:.0%}",
@@ -249,6 +270,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--phase-timeout", type=float, default=300.0)
     parser.add_argument("--cpu", action="store_true", help="also CPU ms per transaction in each process")
+    parser.add_argument(
+        "--baseline-per-phase",
+        action="store_true",
+        help="measure the in-process rate again right before each phase and compare the phase with it "
+        "(for a machine whose load from other work changes during the run)",
+    )
     args = parser.parse_args()
 
     dev = load_faces_dev()
@@ -260,9 +287,8 @@ def main() -> None:
     # Each service row is compared with the pipeline on the same photos: the identity photos are large
     # JPEGs, the age photos small crops, and they cost very different amounts to decode and analyse. Measured
     # before any service starts, so nothing else competes for the cores.
-    baseline = {
-        name: in_process_rate(workloads.of(name), name, args.threads, rounds=2) for name in sorted(needed)
-    }
+    baselines = {name: InProcessBaseline(workloads.of(name), name, args.threads) for name in sorted(needed)}
+    baseline = {name: reference.measure(rounds=2) for name, reference in baselines.items()}
     header = ["path", "topology", "clients", "images/s", "vs in-process", "p50 ms", "p95 ms", "p99 ms"]
     header += ["failures", "client CPU"]
     rows = []
@@ -275,7 +301,8 @@ def main() -> None:
             tempfile.TemporaryDirectory(prefix="facesearch-bench-") as data_dir,
             benchmarked_service(Path(data_dir), topology, args.threads) as service,
         ):
-            measured, cpu = service_rows(service, workloads, baseline, args)
+            per_phase = baselines if args.baseline_per_phase else None
+            measured, cpu = service_rows(service, workloads, baseline, args, per_phase)
         rows += [[row[0], topology, *row[1:]] for row in measured]
         for name, prefix in (("faces", "service face-search"), ("ages", "service age")):
             rates = [float(row[2]) for row in measured if row[0].startswith(prefix)]
