@@ -99,6 +99,17 @@ class Session:
         return {"Authorization": f"Bearer {self._token}"}
 
 
+def created_outcome(response: httpx.Response) -> Result | str:
+    """A create's answer: the result when the service answered it in the same request (Prefer: wait and
+    final in time), else the reference_id to wait for (the create's own envelope, data: reference_id
+    alone). TransactionFailed for a failed one."""
+    data = calls.data_of(response)
+    if response.status_code == 200 and set(data) == {"reference_id"}:
+        return str(data["reference_id"])
+    answer = outcome(response)
+    return answer.reference_id if isinstance(answer, Pending) else answer
+
+
 def outcome(response: httpx.Response) -> Result | Pending:
     """A /result (or wait_for_result) answer as a typed result; TransactionFailed for a failed one."""
     data = calls.data_of(response)
