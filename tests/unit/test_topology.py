@@ -229,7 +229,7 @@ def test_the_worker_replica_builds_its_analysis_once_and_opens_one_redis_pool_an
                 worker.reconfigure({"concurency": 3})
         finally:
             await worker.shutdown()  # Serve's graceful shutdown (__del__): every task it started ends
-        assert all(task.done() for task in worker._tasks)
+        assert all(task.done() for task in worker._tasks.values())
         for pool in opened.redis_pools:
             await pool.aclose()
 
