@@ -374,8 +374,9 @@ def rebuild(uri: str, collection: str, index: str, params: dict[str, int]) -> No
 
 
 async def bench_size(
-    server: Server, size: int, args: argparse.Namespace
+    server: Server, redis_url: str, size: int, args: argparse.Namespace
 ) -> tuple[list[list[str]], list[str]]:
+    """redis_url: where the index switch's lease is kept."""
     chunk = min(CHUNK, size // SMALL_EVERY)  # at least SMALL_EVERY chunks: the small tenant gets its share
     chunks = size // chunk
     queries = [
@@ -403,9 +404,7 @@ async def bench_size(
     store = MilvusGalleryStore(
         server.uri, index_policy=policy_for(args.indexes[0]) if args.switch_early else None, **common
     )
-    redis_server = EmbeddedRedis(server.data_dir / "redis")  # the switch job's lease
-    redis_server.start()
-    redis = connect_redis(redis_server.url)
+    redis = connect_redis(redis_url)
 
     def switch_job(gallery: MilvusGalleryStore) -> IndexSwitch:
         lease = RedisLease(redis, lease_name(gallery), prefix="bench:")
@@ -489,7 +488,6 @@ async def bench_size(
         key, values = ("ef", args.ef) if index == "HNSW" else ("nprobe", args.nprobe)
         await time_index(index, policy, key, values)
     await redis.aclose()
-    redis_server.stop()
     notes.append(f"data dir {dir_mib(server.data_dir):,.0f} MiB")
     notes.append(f"1-min load average at the end: {os.getloadavg()[0]:.1f}")
     print(f"  N={size:,}: " + "; ".join(notes), flush=True)
@@ -504,9 +502,10 @@ async def main_async(args: argparse.Namespace) -> None:
         with (
             tempfile.TemporaryDirectory(prefix="bench-milvus-", dir=args.data_dir) as scratch,
             milvus(args.backend, Path(scratch)) as server,
+            EmbeddedRedis(Path(scratch) / "redis") as redis_server,  # the index switch's lease
         ):
             name = server.name
-            size_rows, size_notes = await bench_size(server, size, args)
+            size_rows, size_notes = await bench_size(server, redis_server.url, size, args)
             rows += size_rows
             notes.append(f"N={size:,}: " + "; ".join(size_notes))
     header = ["N", "searched tenant", "index", "search", "p50 ms", "p95 ms", "recall@10", "match recall"]
