@@ -101,8 +101,8 @@ class MilvusSettings(_Group):
     flat_max_rows: int = Field(
         200_000,
         ge=0,
-        description="exact (FLAT) search up to this many vectors per collection; the insert that crosses "
-        'it switches the collection to the large index (see "Milvus at scale")',
+        description="exact (FLAT) search up to this many vectors per collection; past it the workers "
+        'switch the collection to the large index (see "Milvus at scale")',
     )
     large_index: str = Field(
         "",
