@@ -416,10 +416,11 @@ def test_a_switch_whose_holder_died_is_taken_over_within_its_lease_and_completes
     milvus_server: str, redis_url: str
 ) -> None:
     """A replica (a process of its own) starts the switch, copies its first page and hangs: alive, it keeps
-    the switch (another replica's pass finds the lease taken). Then it is killed mid-switch: its lease is
-    never given back, only no longer renewed. Within the lease's ttl (seconds here, a minute by default;
-    the switch's lease used to last about an hour) another replica's pass takes the switch over, goes on
-    from the dead holder's cursor, and completes: the large index serves every row, once."""
+    the switch past the lease's ttl (another replica's pass finds the lease taken). Then it is killed
+    mid-switch: its lease is never given back, only no longer renewed. Within the lease's ttl (seconds
+    here, a minute by default; the switch's lease used to last about an hour) another replica's pass takes
+    the switch over, goes on from the dead holder's cursor, and completes: the large index serves every
+    row, once."""
     rng = np.random.default_rng(53)
     rows = 6 * switch_holder.PAGE_ROWS  # twice the threshold
     vectors = clustered(rng, rows, rng.standard_normal((20, switch_holder.DIM)).astype(np.float32))
@@ -442,7 +443,10 @@ def test_a_switch_whose_holder_died_is_taken_over_within_its_lease_and_completes
             said = await asyncio.wait_for(holder.stdout.readline(), 300)  # a hang guard
             assert said.strip() == b"holding", said
             job = switch_holder.job(replica, redis)
-            assert await job.run_once("replica-b") is None  # the live holder keeps its lease
+            # Alive though stuck, the holder keeps renewing its lease in the background: past its ttl, the
+            # switch is still its own.
+            await asyncio.sleep(1.5 * switch_holder.LEASE_S)
+            assert await job.run_once("replica-b") is None
             holder.kill()  # dies mid-switch
             await holder.wait()
             killed = time.monotonic()
