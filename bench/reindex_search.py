@@ -40,7 +40,6 @@ from serve_app.domain.faces import GalleryEntry
 from serve_app.launch.embedded import EmbeddedServices
 from serve_app.settings import Settings
 from serve_app.stores.milvus_gallery import IndexPolicy, MilvusGalleryStore
-from serve_app.stores.redis_lease import RedisLeases
 from serve_app.stores.redis_support import connect_redis
 from serve_app.stores.redis_tenant_clock import RedisTenantClock
 
@@ -66,7 +65,6 @@ def store(settings: Settings, redis_url: str, milvus_uri: str, version: str, dim
             search_params=dict(milvus.search_params),
         ),
         consistency_level=milvus.consistency_level,
-        switch_leases=RedisLeases(redis, prefix="bench:"),
         write_clock=RedisTenantClock(redis, prefix="bench:"),
     )
 

@@ -36,10 +36,12 @@ same-person pairs do at a 1 M gallery).
 
 Inserts go through MilvusGalleryStore (the service's code path) under exact FLAT search; unless
 --skip-flat the queries are timed on it. Then a store whose index policy names the first of --indexes
-finds the collection past --flat-max-rows and switches it, as the insert crossing the threshold would. With
---switch-early (a 10 M fill: a switch at its end would hold every float and the build at once) the
-inserting store itself carries that policy, as the service does, so the server indexes each segment as it
-seals; after the fill the bench times the wait until the index covers every row. The queries are then
+finds the collection past --flat-max-rows and switches it (one pass of the workers' index-switch job,
+serve_app/pipelines/index_switch.py, its lease in an embedded Redis). With --switch-early (a 10 M fill: a
+switch at its end would hold every float and the build at once) the inserting store itself carries that
+policy and the job runs beside the fill once it crosses the threshold, as a worker's loop would, so the
+server indexes each segment as it seals; after the fill the bench times the wait until the index covers
+every row. The queries are then
 timed once per --nprobe (IVF) or --ef (HNSW) value, and, when the rows use another consistency, once at
 the service's default Strong. Each further index replaces the previous one (release, drop, build, load).
 Searches run one at a time, as the worker does, after 10 untimed warm-up queries. Memory: the Milvus
@@ -69,7 +71,8 @@ from bench.common import format_table, percentile
 from models.calibration import FaceScoreCalibration
 from models.embedder import FUSED_DIM
 from serve_app.domain.faces import GalleryEntry
-from serve_app.launch.embedded import EmbeddedMilvus
+from serve_app.launch.embedded import EmbeddedMilvus, EmbeddedRedis
+from serve_app.pipelines.index_switch import IndexSwitch, SwitchPolicy, lease_name
 from serve_app.settings import MilvusSettings
 from serve_app.stores.milvus_gallery import (
     CONSISTENCY_LEVELS,
@@ -77,6 +80,8 @@ from serve_app.stores.milvus_gallery import (
     IndexPolicy,
     MilvusGalleryStore,
 )
+from serve_app.stores.redis_lease import RedisLease
+from serve_app.stores.redis_support import connect_redis
 
 DIM = FUSED_DIM  # face model v2
 CHUNK = 10_000
@@ -161,29 +166,42 @@ def make_queries(tenant: str, chunks: list[int], chunk: int, count: int) -> Quer
 @dataclass
 class Fill:
     rate: float  # rows per second, the whole fill (a switch during it included)
-    switch: tuple[int, float] | None  # (rows, seconds) of the insert that switched the index, if one did
+    switch: tuple[int, float] | None  # (rows when it started, seconds it ran) of a switch beside the fill
     peak_rss_mib: float  # the server's largest RSS seen between chunks
 
 
 async def fill(
-    store: MilvusGalleryStore, size: int, chunk: int, queries: list[Queries], server: Server
+    store: MilvusGalleryStore,
+    size: int,
+    chunk: int,
+    queries: list[Queries],
+    server: Server,
+    switch_job: tuple[IndexSwitch, int] | None = None,
 ) -> Fill:
-    """Insert `size` rows, a chunk per call of store.add (which switches the index when its policy says)."""
+    """Insert `size` rows, a chunk per call of store.add; switch_job: (the job, rows past which it runs
+    beside the inserts, as a worker's loop starts it)."""
     started = time.perf_counter()
     now = time.time()
     switch: tuple[int, float] | None = None
+    running: tuple[asyncio.Task[Any], int, float] | None = None
     peak = 0.0
     for index in range(size // chunk):
         tenant, vectors = chunk_tenant(index), chunk_vectors(index, chunk)
         first = index * chunk
-        before, added = store.index_type, time.perf_counter()
         await store.add(
             [GalleryEntry(f"f{first + i}", tenant, MODEL_VERSION, vectors[i], now) for i in range(chunk)]
         )
-        if store.index_type != before and switch is None:
-            switch = (first + chunk, time.perf_counter() - added)
+        if switch_job is not None and running is None and first + chunk > switch_job[1]:
+            running = (
+                asyncio.create_task(switch_job[0].run_once("bench")),
+                first + chunk,
+                time.perf_counter(),
+            )
+        if running is not None and running[0].done() and switch is None:
+            running[0].result()
+            switch = (running[1], time.perf_counter() - running[2])
             print(
-                f"  switched to {store.index_type} at {first + chunk:,} rows in {switch[1]:.0f} s", flush=True
+                f"  switched to {store.index_type} from {switch[0]:,} rows in {switch[1]:.0f} s", flush=True
             )
         for query in queries:
             if query.tenant == tenant:
@@ -192,6 +210,9 @@ async def fill(
         if index % 50 == 49:
             print(f"  inserted {first + chunk:,} rows ({time.perf_counter() - started:.0f} s); "
                   f"{machine_state(server)}", flush=True)  # fmt: skip
+    if running is not None and switch is None:
+        await running[0]
+        switch = (running[1], time.perf_counter() - running[2])
     return Fill(size / (time.perf_counter() - started), switch, peak)
 
 
@@ -353,8 +374,9 @@ def rebuild(uri: str, collection: str, index: str, params: dict[str, int]) -> No
 
 
 async def bench_size(
-    server: Server, size: int, args: argparse.Namespace
+    server: Server, redis_url: str, size: int, args: argparse.Namespace
 ) -> tuple[list[list[str]], list[str]]:
+    """redis_url: where the index switch's lease is kept."""
     chunk = min(CHUNK, size // SMALL_EVERY)  # at least SMALL_EVERY chunks: the small tenant gets its share
     chunks = size // chunk
     queries = [
@@ -377,11 +399,17 @@ async def bench_size(
     def policy_for(index: str) -> IndexPolicy:
         return IndexPolicy(min(args.flat_max_rows, size - 1), index, build_params=build_params)
 
-    # Filled under exact search and switched once at the end, or (--switch-early) switched by the insert
-    # that crosses --flat-max-rows, as the service's store does.
+    # Filled under exact search and switched once at the end, or (--switch-early) switched beside the fill
+    # once it crosses --flat-max-rows, as the service's workers do.
     store = MilvusGalleryStore(
         server.uri, index_policy=policy_for(args.indexes[0]) if args.switch_early else None, **common
     )
+    redis = connect_redis(redis_url)
+
+    def switch_job(gallery: MilvusGalleryStore) -> IndexSwitch:
+        lease = RedisLease(redis, lease_name(gallery), prefix="bench:")
+        return IndexSwitch(gallery, lease, SwitchPolicy(every_s=0))
+
     rows: list[list[str]] = []
 
     def row(label: str, index: str, params: str, timings: list[float], recall: Recall) -> list[str]:
@@ -415,7 +443,8 @@ async def bench_size(
                 await strong.close()
 
     try:
-        filled = await fill(store, size, chunk, queries, server)
+        early = (switch_job(store), policy_for(args.indexes[0]).flat_max_rows) if args.switch_early else None
+        filled = await fill(store, size, chunk, queries, server, early)
         insert_rate = filled.rate
         print(f"  {size:,} rows at {insert_rate:,.0f} rows/s", flush=True)
         notes.append(f"insert {insert_rate:,.0f} rows/s, server RSS peak {filled.peak_rss_mib:,.0f} MiB")
@@ -444,7 +473,7 @@ async def bench_size(
             assert store.index_type == index, store.index_type
         elif position == 0 and args.backend == "server":
             switched = MilvusGalleryStore(server.uri, index_policy=policy, **common)
-            await switched.switch_index_if_due()  # finds the collection past its threshold and switches it
+            await switch_job(switched).run_once("bench")  # finds the collection past its threshold, switches
             assert switched.index_type == index, switched.index_type
             await switched.close()
         else:
@@ -458,6 +487,7 @@ async def bench_size(
             print(f"  {notes[-1]}", flush=True)
         key, values = ("ef", args.ef) if index == "HNSW" else ("nprobe", args.nprobe)
         await time_index(index, policy, key, values)
+    await redis.aclose()
     notes.append(f"data dir {dir_mib(server.data_dir):,.0f} MiB")
     notes.append(f"1-min load average at the end: {os.getloadavg()[0]:.1f}")
     print(f"  N={size:,}: " + "; ".join(notes), flush=True)
@@ -472,9 +502,10 @@ async def main_async(args: argparse.Namespace) -> None:
         with (
             tempfile.TemporaryDirectory(prefix="bench-milvus-", dir=args.data_dir) as scratch,
             milvus(args.backend, Path(scratch)) as server,
+            EmbeddedRedis(Path(scratch) / "redis") as redis_server,  # the index switch's lease
         ):
             name = server.name
-            size_rows, size_notes = await bench_size(server, size, args)
+            size_rows, size_notes = await bench_size(server, redis_server.url, size, args)
             rows += size_rows
             notes.append(f"N={size:,}: " + "; ".join(size_notes))
     header = ["N", "searched tenant", "index", "search", "p50 ms", "p95 ms", "recall@10", "match recall"]

@@ -101,8 +101,8 @@ class MilvusSettings(_Group):
     flat_max_rows: int = Field(
         200_000,
         ge=0,
-        description="exact (FLAT) search up to this many vectors per collection; the insert that crosses "
-        'it switches the collection to the large index (see "Milvus at scale")',
+        description="exact (FLAT) search up to this many vectors per collection; past it the workers "
+        'switch the collection to the large index (see "Milvus at scale")',
     )
     large_index: str = Field(
         "",
@@ -133,8 +133,20 @@ class MilvusSettings(_Group):
         1800.0,
         gt=0,
         description="bound on copying the rows into the collection built beside the served one and "
-        "building its large index at the switch; one replica at a time switches, under a Redis lease, "
+        "building its large index at the switch; one worker at a time switches, under a Redis lease, "
         "while the served collection goes on serving",
+    )
+    index_switch_every_s: float = Field(
+        60.0,
+        gt=0,
+        description="how often the workers look at whether the collection's size calls for the switch "
+        "(one count across the cluster per interval)",
+    )
+    index_switch_lease_s: float = Field(
+        60.0,
+        gt=0,
+        description="the index switch's lease, renewed after every page it copies and through every wait; "
+        "a worker that dies mid-switch loses it after this and another goes on from where it stopped",
     )
 
     @field_validator("large_index")
@@ -428,6 +440,12 @@ class RetentionSettings(_Group):
     result_archive_every_s: float = Field(
         60.0, gt=0, description="how often one worker (holding a lease) moves results past the hot window"
     )
+    result_sweep_every_s: float = Field(
+        3600.0,
+        gt=0,
+        description="how often one worker (holding a lease) deletes the archived results past their "
+        "retention, a page at a time",
+    )
     done_signal_ttl_s: int = Field(
         60, ge=1, description="how long a transaction's completion signal outlives it, for slow waiters"
     )
@@ -465,6 +483,33 @@ class RetentionSettings(_Group):
         return self.transaction_retention_s + 24 * 3600 if self.transaction_retention_s else None
 
 
+class ThreadSettings(_Group):
+    """Each process' bounded thread pools for blocking calls, apart from the event loop's default pool,
+    which decodes images and runs the models: what waits on something outside the process (Milvus, a
+    shared volume) or runs for minutes holds only its own pool's threads (serve_app/wiring/stores.py)."""
+
+    model_config = SettingsConfigDict(env_prefix="FACESEARCH_THREADS_")
+
+    milvus: int = Field(
+        16,
+        ge=1,
+        description="threads of a process' Milvus calls (each blocks one): at most this many at once, the "
+        "rest wait their turn; a Milvus that hangs holds these only, never image decoding or inference",
+    )
+    blobs: int = Field(
+        8,
+        ge=1,
+        description="threads of a process' blob reads and writes (uploads, proofs, archived results): a "
+        "shared volume that hangs holds these only",
+    )
+    jobs: int = Field(
+        4,
+        ge=1,
+        description="threads of a worker's long background jobs: the index switch's steps, the walks of "
+        "the blob and result directories",
+    )
+
+
 class Settings(_Group):
     model_config = SettingsConfigDict(env_prefix="FACESEARCH_")
 
@@ -495,6 +540,7 @@ class Settings(_Group):
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
     retention: RetentionSettings = Field(default_factory=RetentionSettings)
     webhooks: WebhookSettings = Field(default_factory=WebhookSettings)
+    threads: ThreadSettings = Field(default_factory=ThreadSettings)
 
     # Read by models.weights and model_build (models/ knows nothing of this service); in the config table.
     EXTERNAL_VARIABLES: ClassVar[dict[str, tuple[str, str]]] = {

@@ -1,4 +1,6 @@
-"""The transaction worker deployment: runs the queue consumer loop in each replica."""
+"""The transaction worker deployment: runs the worker's background loops in each replica (the queue consumer,
+webhook delivery, the metrics export and the leased jobs: serve_app/wiring/worker.py, WorkerLoops), and
+fails its health check when any of them has ended, so Serve replaces it."""
 
 from __future__ import annotations
 
@@ -16,11 +18,16 @@ from serve_app.deployments.autoscaling import BACKLOG_METRIC
 from serve_app.deployments.metrics import ReconcileMetrics, ScoreMetrics, WebhookMetrics, WorkerMetrics
 from serve_app.deployments.user_config import WorkerConfig
 from serve_app.domain.errors import BackendUnavailable
-from serve_app.pipelines.result_archive import ResultArchiver
+from serve_app.pipelines.reconcile import ReconcileReport
 from serve_app.settings import Settings
-from serve_app.stores.redis_lease import RedisLease
 from serve_app.wiring.webhooks import build_deliverer
-from serve_app.wiring.worker import WorkerStores, build_reconciler, build_worker, worker_policy
+from serve_app.wiring.worker import (
+    WorkerStores,
+    build_reconciler,
+    build_worker,
+    worker_loops,
+    worker_policy,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +61,8 @@ class TransactionWorker:
         self._consumer = consumer_name()
         self._metrics = WorkerMetrics()
         self._score_metrics = ScoreMetrics(settings.worker.score_metrics_tenants)
-        # One Redis pool and one Milvus client for the whole replica: worker, reconciliation and archive.
+        # One Redis pool, one Milvus client and one set of thread pools for the whole replica: worker,
+        # reconciliation, the background jobs.
         self._stores = WorkerStores.build(settings)
         self._worker, _ = build_worker(
             settings,
@@ -75,23 +83,28 @@ class TransactionWorker:
             self._stores.redis.records,
             self._stores.archive,
         )
+        self._loops = worker_loops(
+            settings,
+            self._consumer,
+            self._stores,
+            self._worker,
+            self._reconciler,
+            self._webhooks,
+            report_metrics=self._report,
+            on_reconciled=self._observe_reconciliation,
+        ).entries()
         self._backlog = 0.0  # last queue depth read for the autoscaler
         self._stop = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: dict[str, asyncio.Task[None]] = {}
         # Serve runs constructors inside the replica's event loop: start consuming right away.
         self._start()
 
     def _start(self) -> None:
-        self._tasks = [
-            asyncio.get_running_loop().create_task(coroutine)
-            for coroutine in (
-                self._worker.run(self._stop),
-                self._report(),
-                self._reconcile_periodically(),
-                self._archive_periodically(),
-                self._webhooks.run(self._stop),
-            )
-        ]
+        loop = asyncio.get_running_loop()
+        self._tasks = {
+            name: loop.create_task(entry.run(self._stop), name=f"worker loop {name}")
+            for name, entry in self._loops.items()
+        }
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         # Unknown keys fail the deploy (the replica does not start), naming the key.
@@ -100,65 +113,34 @@ class TransactionWorker:
         )
 
     async def _report(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._metrics.observe_queue(
-                    await self._stores.redis.transactions.depth(),
-                    self._worker.in_flight,
-                    await self._stores.redis.transactions.count_by_state(),
-                )
-                webhooks = await self._webhooks.queue_stats()
-                self._webhook_metrics.observe_queue(webhooks.pending, webhooks.oldest_age_s, webhooks.totals)
-                last_pass = await self._reconciler.state.last_completed()
-                if last_pass is not None:
-                    self._reconcile_metrics.observe_last_pass(last_pass)
-            except Exception as error:  # metrics must never stop the worker
-                logger.debug("metrics update failed: %r", error)
-            await asyncio.sleep(self._settings.worker.metrics_every_s)
+        """One export of the gauges (the metrics loop runs it every metrics_every_s)."""
+        try:
+            self._metrics.observe_queue(
+                await self._stores.redis.transactions.depth(),
+                self._worker.in_flight,
+                await self._stores.redis.transactions.count_by_state(),
+            )
+            webhooks = await self._webhooks.queue_stats()
+            self._webhook_metrics.observe_queue(webhooks.pending, webhooks.oldest_age_s, webhooks.totals)
+            last_pass = await self._reconciler.state.last_completed()
+            if last_pass is not None:
+                self._reconcile_metrics.observe_last_pass(last_pass)
+        except Exception as error:  # metrics must never stop the worker
+            logger.debug("metrics update failed: %r", error)
 
-    async def _reconcile_periodically(self) -> None:
-        """Every replica tries every reconcile_every_s; the lease and the time of the last completed pass
-        make that one pass per interval across the cluster (or the rest of a pass whose holder died)."""
-        every_s = self._settings.worker.reconcile_every_s
-        while not self._stop.is_set():
-            await asyncio.sleep(every_s)
-            try:
-                report = await self._reconciler.run_pass(min_interval_s=every_s)
-            except Exception as error:  # a backend outage: try again next round
-                logger.warning("reconciliation failed: %r", error)
-                continue
-            if report is not None:
-                logger.info("reconciliation: %s", report)
-                self._reconcile_metrics.observe_pass(
-                    report.vectors_removed, report.records_removed, report.blobs_removed, report.suspects
-                )
-
-    async def _archive_periodically(self) -> None:
-        retention = self._settings.retention
-        if not retention.archive_after_s:
-            return  # results stay in Redis until they expire
-        archiver = ResultArchiver(
-            self._stores.redis.transactions,
-            self._stores.archive,
-            RedisLease(self._stores.redis.redis, "result-archive", self._settings.redis.key_prefix),
-            hot_window_s=retention.archive_after_s,
-            every_s=retention.result_archive_every_s,
+    def _observe_reconciliation(self, report: ReconcileReport) -> None:
+        self._reconcile_metrics.observe_pass(
+            report.vectors_removed, report.records_removed, report.blobs_removed, report.suspects
         )
-        while not self._stop.is_set():
-            await asyncio.sleep(retention.result_archive_every_s)
-            try:
-                report = await archiver.run_once(self._consumer)
-                if report is not None and (report.archived or report.expired or report.swept):
-                    logger.info("result archive: %s", report)
-            except Exception as error:  # a backend outage: nothing was dropped before its copy was written
-                logger.warning("result archiving failed: %r", error)
 
     async def check_health(self) -> None:
-        # A replica whose consumer loop died is unhealthy: Serve replaces it, and its claimed entries are
-        # reclaimed by the other workers.
-        loop_task = self._tasks[0]
-        if loop_task.done():
-            raise RuntimeError(f"worker loop stopped: {loop_task.exception()!r}")
+        """A replica any of whose loops has ended (they run until the replica stops) is unhealthy: Serve
+        replaces it, the entries and events it claimed are reclaimed by the other replicas, and the leases
+        of the jobs it held lapse for another to take over."""
+        for name, task in self._tasks.items():
+            if task.done():
+                why = "cancelled" if task.cancelled() else repr(task.exception() or "returned")
+                raise RuntimeError(f"worker loop {name!r} stopped: {why}")
         await self._analysis.check()
 
     async def __del__(self) -> None:
@@ -167,10 +149,12 @@ class TransactionWorker:
         then stop. Serve kills a replica that takes longer than its graceful_shutdown_timeout_s; the entries
         it held are then reclaimed by another worker after stale_after_s, so nothing is lost either way."""
         self._stop.set()
-        consumer, *periodic = self._tasks
-        for task in periodic:
+        consumer = self._tasks.get("consumer")
+        others = [task for task in self._tasks.values() if task is not consumer]
+        for task in others:
             task.cancel()
-        await asyncio.gather(consumer, *periodic, return_exceptions=True)
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        await self._stores.close()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics, read by QueueBacklogPolicy (deployments/autoscaling.py) when

@@ -469,8 +469,6 @@ async def _reindex(settings: Settings, tenant_id: str, state_path: Path | None) 
             lock=lock_policy(settings),
             on_face=progress.update,
         )
-        # An index switch the run's inserts started (in the background) ends before the command does.
-        await gallery.switch_index_if_due()
     finally:
         progress.close()
         await gallery.close()

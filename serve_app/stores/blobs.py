@@ -21,11 +21,12 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Iterator
+from concurrent.futures import Executor
 from pathlib import Path
 
 from serve_app.domain.errors import StorageFull
-from serve_app.stores.interfaces import BlobPage
+from serve_app.stores.interfaces import BlobPage, SweptPage
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9_\-/]+$")
 _MAX_KEY_LENGTH = 512
@@ -94,8 +95,16 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 
 class LocalBlobStore:
-    def __init__(self, directory: Path | str) -> None:
+    def __init__(
+        self, directory: Path | str, *, io: Executor | None = None, scans: Executor | None = None
+    ) -> None:
+        """io: the threads reads, writes and deletions run in (the process' blob pool: on a cluster the
+        directory is a shared volume, and one that hangs must hold those threads only); scans: those the
+        walks of the directory run in (scan_old, sweep_old: the long jobs' pool). None: the event loop's
+        default pool (the CLI, tests)."""
         self._root = Path(directory).resolve()
+        self._io = io
+        self._scans = scans
 
     @property
     def directory(self) -> Path:
@@ -109,7 +118,9 @@ class LocalBlobStore:
         path = self._path(key)
         validate_content_type(content_type)
         with _space_errors(self._root):
-            await asyncio.to_thread(self._put_sync, path, bytes(data), content_type, key)
+            await asyncio.get_running_loop().run_in_executor(
+                self._io, self._put_sync, path, bytes(data), content_type, key
+            )
 
     @staticmethod
     def _put_sync(path: Path, data: bytes, content_type: str, key: str) -> None:
@@ -129,7 +140,7 @@ class LocalBlobStore:
         _fsync_directory(path.parent)
 
     async def get(self, key: str) -> tuple[bytes, str] | None:
-        return await asyncio.to_thread(self._get_sync, self._path(key))
+        return await asyncio.get_running_loop().run_in_executor(self._io, self._get_sync, self._path(key))
 
     @staticmethod
     def _get_sync(path: Path) -> tuple[bytes, str] | None:
@@ -146,7 +157,7 @@ class LocalBlobStore:
     async def delete(self, key: str) -> None:
         path = self._path(key)
         with _space_errors(self._root):
-            await asyncio.to_thread(self._delete_sync, path)
+            await asyncio.get_running_loop().run_in_executor(self._io, self._delete_sync, path)
 
     @staticmethod
     def _delete_sync(path: Path) -> None:
@@ -154,68 +165,70 @@ class LocalBlobStore:
             with contextlib.suppress(FileNotFoundError):
                 target.unlink()
 
-    async def sweep(self, keep: Collection[str], older_than_s: float) -> int:
-        """Delete blobs whose key is not in `keep` and whose file is older than older_than_s, with the
-        temporary files interrupted writes left behind. File names are key hashes, so the keys to keep are
-        hashed and everything else in the fan-out directories is a candidate."""
-        keep_names = set()
-        for key in keep:
-            with contextlib.suppress(ValueError):  # a key no blob could have been stored under
-                keep_names.add(self._path(key).name)
-        return await asyncio.to_thread(self._sweep_sync, keep_names, time.time() - older_than_s)
+    async def sweep_old(self, after: str | None, older_than_s: float, limit: int) -> SweptPage:
+        """Walks the fan-out directories in name order, whole directories at a time, deleting every file
+        older than older_than_s (blobs whatever their key, their type files, temporary files of
+        interrupted writes), until about `limit` blobs went; the cursor is the last directory walked."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._scans, self._sweep_sync, after, time.time() - older_than_s, limit
+        )
 
-    def _sweep_sync(self, keep_names: set[str], cutoff: float) -> int:
+    def _sweep_sync(self, after: str | None, cutoff: float, limit: int) -> SweptPage:
         removed = 0
-        for directory in self._root.glob("*/*"):
-            if not directory.is_dir():
-                continue
-            for path in directory.iterdir():
-                if path.name.removesuffix(".type") in keep_names:
-                    continue
+        for last, directory in _walk_from(self._root, after):
+            for entry in os.scandir(directory):
                 try:
-                    if path.stat().st_mtime >= cutoff:
+                    if entry.stat().st_mtime >= cutoff:
                         continue
-                    path.unlink()
+                    os.unlink(entry.path)
                 except FileNotFoundError:
                     continue  # deleted meanwhile
-                if not path.name.endswith(".type") and not path.name.startswith(".tmp-"):
+                if not entry.name.endswith(".type") and not entry.name.startswith(".tmp-"):
                     removed += 1
-        return removed
+            if removed >= limit:
+                return SweptPage(removed, last)
+        return SweptPage(removed, None)
 
     async def scan_old(self, after: str | None, older_than_s: float, limit: int) -> BlobPage:
         """Walks the fan-out directories in name order, whole directories at a time, until about `limit`
         old blobs were found; the cursor is the last directory walked ("ab/cd"). Memory: one page, whatever
         the number of blobs. Temporary files of interrupted writes found old are deleted on the way."""
-        return await asyncio.to_thread(self._scan_sync, after, time.time() - older_than_s, limit)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._scans, self._scan_sync, after, time.time() - older_than_s, limit
+        )
 
     def _scan_sync(self, after: str | None, cutoff: float, limit: int) -> BlobPage:
         keys: list[str] = []
         unnamed = 0
-        last: str | None = None
-        for top in _subdirectories(self._root, after.split("/")[0] if after else None, inclusive=True):
-            start = after.split("/")[1] if after and after.startswith(top.name + "/") else None
-            for directory in _subdirectories(top, start, inclusive=False):
-                last = f"{top.name}/{directory.name}"
-                for entry in os.scandir(directory):
-                    name = entry.name
-                    if name.endswith(".type"):
+        for last, directory in _walk_from(self._root, after):
+            for entry in os.scandir(directory):
+                name = entry.name
+                if name.endswith(".type"):
+                    continue
+                try:
+                    if entry.stat().st_mtime >= cutoff:
                         continue
-                    try:
-                        if entry.stat().st_mtime >= cutoff:
-                            continue
-                        if name.startswith(".tmp-"):
-                            os.unlink(entry.path)
-                            continue
-                        key = (directory / f"{name}.type").read_text().partition("\n")[2].strip()
-                    except FileNotFoundError:
-                        continue  # deleted meanwhile
-                    if key:
-                        keys.append(key)
-                    else:
-                        unnamed += 1
-                if len(keys) + unnamed >= limit:
-                    return BlobPage(keys, unnamed, last)
+                    if name.startswith(".tmp-"):
+                        os.unlink(entry.path)
+                        continue
+                    key = (directory / f"{name}.type").read_text().partition("\n")[2].strip()
+                except FileNotFoundError:
+                    continue  # deleted meanwhile
+                if key:
+                    keys.append(key)
+                else:
+                    unnamed += 1
+            if len(keys) + unnamed >= limit:
+                return BlobPage(keys, unnamed, last)
         return BlobPage(keys, unnamed, None)
+
+
+def _walk_from(root: Path, after: str | None) -> Iterator[tuple[str, Path]]:
+    """("ab/cd", directory) of the fan-out directories in name order, after the cursor `after` ("ab/cd")."""
+    for top in _subdirectories(root, after.split("/")[0] if after else None, inclusive=True):
+        start = after.split("/")[1] if after and after.startswith(top.name + "/") else None
+        for directory in _subdirectories(top, start, inclusive=False):
+            yield f"{top.name}/{directory.name}", directory
 
 
 def _subdirectories(parent: Path, start: str | None, *, inclusive: bool) -> list[Path]:

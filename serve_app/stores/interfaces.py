@@ -7,10 +7,10 @@ cannot be reached, so callers never see redis/pymilvus exception types.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import numpy as np
 
@@ -242,11 +242,72 @@ class TenantWriteClock(Protocol):
         """The tenant's timestamp; 0 when none was recorded."""
 
 
-class Leases(Protocol):
-    def try_hold(self, name: str, ttl_s: float) -> AbstractAsyncContextManager[bool]:
-        """Async context manager: one attempt, without waiting, to take the cluster-wide lease `name` for
-        at most ttl_s; yields whether it was taken, and gives it back on exit. A holder that dies loses it
-        after ttl_s."""
+# Where a switch's target stands: built beside the served collection, served (the served name stands for
+# it), or absent (dropped, or never created).
+SwitchStage = Literal["beside", "served", "absent"]
+
+
+@dataclass(frozen=True)
+class IndexSwitchPlan:
+    """A switch of a gallery's index that its size calls for: `target` is built beside `served` (the
+    collection the served name stands for) with `index_type`, then named in its place; `retired` is the
+    name the old collection has once the served name left it (dropped at the end)."""
+
+    served: str
+    target: str
+    retired: str
+    index_type: str
+    rows: int  # rows counted when it was planned
+
+
+@dataclass(frozen=True)
+class CopiedPage:
+    read: int  # rows of the served collection read
+    copied: int  # rows the target lacked and now holds
+    after: str | None  # the cursor to copy on from (a face id); None at the end
+
+
+class GalleryIndexSwitch(Protocol):
+    """The steps of a switch of a gallery's index, which pipelines/index_switch.py takes one at a time
+    under the switch's lease (each step is short or, building an index, bounded by its own deadline, and
+    each is safe to run again after a holder died in it). Meanwhile the served collection serves every
+    search and every write reaches both collections (the served one first)."""
+
+    @property
+    def switch_name(self) -> str:
+        """What the switch's lease is named after: the served collection's name."""
+
+    @property
+    def write_window_s(self) -> float:
+        """How long a write that began before a step may still be running: the switch waits this long
+        after creating the target (before it copies) and after the served name moved (before it drops)."""
+
+    async def plan_switch(self) -> IndexSwitchPlan | None:
+        """The switch the served collection's size calls for now (one count); None when none does: below
+        the threshold, switched already, or a server that keeps FLAT (milvus-lite)."""
+
+    async def switch_stage(self, target: str) -> SwitchStage:
+        """Where `target` stands now."""
+
+    async def begin_switch(self, plan: IndexSwitchPlan) -> None:
+        """Drop what an abandoned switch left beside the served collection, then create plan.target with
+        its index, loaded. From then on every replica's writes reach it too."""
+
+    async def copy_page(self, target: str, after: str | None, limit: int) -> CopiedPage:
+        """Copy up to `limit` rows of the served collection, in face id order after `after`, that
+        `target` lacks (a row it has is newer: kept); a row removed meanwhile is removed again."""
+
+    async def seal(self, target: str) -> None:
+        """Flush `target`: every row copied or written so far is in segments its index covers."""
+
+    async def index_built(self, target: str) -> bool:
+        """Whether the index of `target` covers every sealed segment."""
+
+    async def promote(self, plan: IndexSwitchPlan) -> None:
+        """Name plan.target in place of the served collection (a Milvus alias); once done, it is."""
+
+    async def drop(self, name: str) -> None:
+        """Drop a collection of the switch (the retired one, or an abandoned target) if it exists."""
 
 
 class JobLease(Protocol):
@@ -304,9 +365,10 @@ class BlobStore(Protocol):
 
     async def delete(self, key: str) -> None: ...
 
-    async def sweep(self, keep: Collection[str], older_than_s: float) -> int:
-        """Delete every blob not named in `keep` and last written more than older_than_s ago; returns
-        how many were deleted. A name in `keep` that is not a valid key is ignored."""
+    async def sweep_old(self, after: str | None, older_than_s: float, limit: int) -> SweptPage:
+        """Delete a page of the blobs last written more than older_than_s ago (whatever their key, and
+        temporary files of interrupted writes), in the store's own order after the cursor `after` (None:
+        from the start): about `limit` of them, whatever the store's size."""
 
     async def scan_old(self, after: str | None, older_than_s: float, limit: int) -> BlobPage:
         """A page of the blobs last written more than older_than_s ago, in the store's own order, starting
@@ -320,6 +382,12 @@ class BlobPage:
     after: str | None  # the cursor to continue from; None at the end
 
 
+@dataclass(frozen=True)
+class SweptPage:
+    removed: int
+    after: str | None  # the cursor to continue from; None at the end
+
+
 class ResultArchive(Protocol):
     """Durable copies of finished transactions, read where the hot store no longer has them."""
 
@@ -328,9 +396,9 @@ class ResultArchive(Protocol):
     async def get(self, reference_id: str) -> Transaction | None:
         """None when there is no copy or the transaction's retention has passed."""
 
-    async def sweep(self, archived_after_s: float) -> int:
-        """Delete the copies past their retention (each was written archived_after_s or later after its
-        transaction became final); returns how many went."""
+    async def sweep_page(self, after: str | None, archived_after_s: float, limit: int) -> SweptPage:
+        """Delete a page (about `limit`) of the copies past their retention, after the cursor `after`
+        (each copy was written archived_after_s or later after its transaction became final)."""
 
 
 class AuditLog(Protocol):

@@ -1,6 +1,9 @@
 """Face vectors in Milvus (a milvus-lite server or a Milvus cluster) through pymilvus' MilvusClient.
 
-- pymilvus is synchronous: every call runs in a worker thread (asyncio.to_thread).
+- pymilvus is synchronous: every call runs in a thread of the Milvus pool the process' wiring gives the
+  store (serve_app/wiring/stores.py), bounded and apart from the threads that decode images and run the
+  models: a Milvus that hangs holds those threads only (calls beyond them wait their turn), never the
+  transactions that need no Milvus. The index switch's steps run in the pool of the long jobs.
 - One collection per face model version (`{collection}_{model_version}`, dimension and all, '.' and '-'
   written '_'), holding that version's vectors only: vectors of different models are never compared.
   Searches rely on it and filter on the tenant alone (a model_version term cost ~45 % of the filter's
@@ -37,23 +40,22 @@
   created before this layout existed (no partition key) is read and written as it is; docs/scaling.md,
   "Milvus at scale" section gives the migration.
 - Index by size (IndexPolicy): exact FLAT up to `flat_max_rows` rows, then IVF_FLAT on a Milvus server
-  (or IVF_SQ8 / HNSW when configured; milvus-lite always stays FLAT, see _wanted_index). The insert that
-  crosses the threshold starts the switch in the background (it does not hold up an enrolment, which holds
-  a face's lock); one replica at a time runs it, under a cluster-wide lease (interfaces.Leases, in Redis).
-  The new index is built beside the served collection, which serves every search throughout:
+  (or IVF_SQ8 / HNSW when configured; milvus-lite always stays FLAT, see _wanted_index). The switch is a
+  background job of the workers (serve_app/pipelines/index_switch.py: one replica at a time, under a
+  renewed lease, resumable); this store gives it its steps (interfaces.GalleryIndexSwitch). The new index
+  is built beside the served collection, which serves every search throughout:
   1. a second collection `{name}__g{n+1}` is created with the new index and loaded; from then on every
      replica's writes go to both (the served one first): each looks for such a collection at most
      _MARKER_TTL_S before a batch of writes, and the switch waits out a write's window before it copies;
-  2. the rows are copied from the served collection (_backfill: a row the new one already has is newer
-     and kept; a row removed while it was copied is removed again);
+  2. the rows are copied from the served collection a page at a time (copy_page: a row the new one
+     already has is newer and kept; a row removed while it was copied is removed again);
   3. once the index covers the sealed segments, the served name moves to the new collection: a Milvus
      alias, swapped with alter_alias; the old collection is dropped a write's window later, when the calls
      that found it have ended. A collection made before this scheme holds the name itself: it is renamed
      (it goes on serving what is under way) and the alias created at once, and the calls that look the
      name up in between are tried again within their deadline (_run), never failed.
-  Copy and build are bounded by `switch_timeout_s`; a switch that fails or stops (its process ends)
-  leaves the served collection as it was, and the next insert past the threshold starts over, dropping
-  the half-built collection. At the peak the server holds both collections (bench/index_switch.py).
+  A switch that stops half-way leaves the served collection as it was; the job's next holder resumes it
+  (or drops the half-built collection and starts over). At the peak the server holds both collections.
 - Adding is delete-then-insert, never `upsert`: Milvus 2.3.5's upsert writes rows of a partition-key
   collection into the wrong partitions (a tenant filter then misses them; fixed upstream later), and an
   upsert is a delete plus an insert inside the server anyway, no more atomic than this.
@@ -76,7 +78,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import re
@@ -84,6 +85,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -91,7 +93,7 @@ import numpy as np
 
 from serve_app.domain.errors import BackendRejected, BackendUnavailable
 from serve_app.domain.faces import GalleryEntry, GalleryMatch
-from serve_app.stores.interfaces import Leases, TenantWriteClock
+from serve_app.stores.interfaces import CopiedPage, IndexSwitchPlan, SwitchStage, TenantWriteClock
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +175,6 @@ _SWAP_WORDS = (
     "channel not",
 )
 _MARKER_TTL_S = 1.0  # how long a store trusts its last look at whether a switch is building a collection
-_BACKFILL_BATCH = 10_000  # rows copied per step of a switch (Milvus' query limit is 16,384)
 _MAX_ITERATOR_BATCH = 16_384  # pymilvus refuses a larger query iterator batch
 
 
@@ -210,17 +211,21 @@ class MilvusGalleryStore:
         index_policy: IndexPolicy | None = None,
         partition_key: bool = True,
         consistency_level: str = "Tenant",
-        switch_leases: Leases | None = None,
         switch_timeout_s: float = 1800.0,
         write_clock: TenantWriteClock | None = None,
         write_window_s: float | None = None,
+        executor: Executor | None = None,
+        job_executor: Executor | None = None,
     ) -> None:
         """index_policy None: exact FLAT search at any size. partition_key: create new collections with
         tenant_id as partition key where the server supports it (an existing collection keeps its
         layout). write_clock: where the "Tenant" consistency level keeps each tenant's last write
         (without one, "Tenant" searches are Strong). write_window_s: how long an index switch waits for
         writes that began before it to end; None: the longest a write of any replica can take, which only
-        a gallery with a single writer may shorten."""
+        a gallery with a single writer may shorten. executor: where the blocking Milvus calls run (the
+        process' Milvus pool); job_executor: where the index switch's steps run (the pool of the long jobs,
+        as one can wait minutes for an index); None: the event loop's default pool (the CLI, tests).
+        switch_timeout_s: the deadline of a switch step that builds (creating, flushing the target)."""
         if dimension <= 0:
             raise ValueError("dimension must be positive")
         self._uri = uri
@@ -235,8 +240,9 @@ class MilvusGalleryStore:
         if consistency_level not in CONSISTENCY_LEVELS:
             raise ValueError(f"consistency_level must be one of {CONSISTENCY_LEVELS}")
         self._consistency = consistency_level
-        self._leases = switch_leases
         self._switch_timeout_s = switch_timeout_s
+        self._executor = executor
+        self._job_executor = job_executor
         self._clock = write_clock
         # A write that looked for a collection being built before the switch created one ends within this
         # (its delete and insert, each within its deadline, after a look at most _MARKER_TTL_S old).
@@ -244,13 +250,10 @@ class MilvusGalleryStore:
         self._write_window_s = longest_write_s if write_window_s is None else write_window_s
         self._build_target: tuple[float, str | None] = (-math.inf, None)  # (when looked, collection)
         self._generation_re = re.compile(re.escape(self._collection) + r"__g(\d+)")
-        self._switch_task: asyncio.Task[None] | None = None
-        self._switch_lock = threading.Lock()  # one switch per process at a time
         self._want_partition_key = partition_key
         self._index_type = "FLAT"  # the collection's actual index, learnt when it is prepared
         self._partitioned = False  # whether the collection's tenant_id is its partition key
         self._lite: bool | None = None  # milvus-lite (no partitions, no HNSW); probed when first needed
-        self._rows_seen = 0  # rows counted at preparation plus rows this store added: when to recount
         self._stays_flat = False  # the policy keeps FLAT past its threshold (milvus-lite): never recount
         self._client: Any = None
         self._init_lock = threading.Lock()  # a thread lock: initialisation runs in worker threads
@@ -263,7 +266,7 @@ class MilvusGalleryStore:
         deadline = time.monotonic() + self._timeout_s
         while True:
             try:
-                return await asyncio.to_thread(self._call, operation)
+                return await asyncio.get_running_loop().run_in_executor(self._executor, self._call, operation)
             except BackendUnavailable as error:
                 if not any(word in str(error) for word in _SWAP_WORDS) or time.monotonic() > deadline:
                     raise
@@ -362,11 +365,6 @@ class MilvusGalleryStore:
             )  # fmt: skip
             if rows:
                 raise self._version_conflict(str(rows[0]["model_version"]))
-        # Counted once loaded: a Milvus server answers no query on a released collection (one released to
-        # save memory, say an older model version's, which a store may open again).
-        self._rows_seen = self._count(client)
-        # A FLAT collection already past the threshold switches at the next insert, or when asked
-        # (switch_index_if_due), under the lease.
 
     @staticmethod
     def _recorded_version(described: Mapping[str, Any]) -> str | None:
@@ -469,24 +467,6 @@ class MilvusGalleryStore:
         self._index_type = index_type
         logger.info("Milvus collection %s: index %s %s", self._collection, index_type, params)
 
-    def _apply_policy(self, client: Any, rows: int) -> None:
-        """Switch a FLAT collection past the policy's threshold to its approximate index."""
-        wanted = self._wanted_index(client, rows)
-        if wanted == "FLAT":
-            # Past the threshold and still FLAT (milvus-lite's default): no switch will ever be due, so
-            # inserts stop recounting the collection.
-            self._stays_flat = self._policy is not None and rows > self._policy.flat_max_rows
-            return
-        current = client.describe_index(self._collection, "embedding", timeout=self._timeout_s) or {}
-        if current.get("index_type") not in (None, "", "FLAT"):
-            self._index_type = str(current["index_type"])  # another replica switched it already
-            return
-        logger.info("Milvus collection %s: %d rows, switching FLAT -> %s", self._collection, rows, wanted)
-        started = time.monotonic()
-        self._rebuild_beside(client, wanted, deadline=started + self._switch_timeout_s)
-        elapsed = time.monotonic() - started
-        logger.info("Milvus collection %s: switched to %s in %.0f s", self._collection, wanted, elapsed)
-
     # -- the switch beside the served collection (module docstring, "Index by size") --------------------
 
     def _generation(self, name: str) -> int | None:
@@ -520,90 +500,175 @@ class MilvusGalleryStore:
         self._build_target = (now, target)
         return target
 
-    def _rebuild_beside(self, client: Any, index_type: str, deadline: float) -> None:
-        """Build the collection with `index_type` beside the served one, copy the rows, and move the served
-        name to it once its index covers them; searches and writes go on meanwhile."""
-        timeout = self._timeout_s
-        names = client.list_collections(timeout=timeout)
-        served = self._served(client, names)
-        if served is None:
-            raise BackendUnavailable(f"Milvus: {self._collection} names no collection")
-        for name in names:
-            if self._generation(name) is not None and name != served:
-                client.drop_collection(name, timeout=timeout)  # left by a switch that stopped half-way
-        target = f"{self._collection}__g{(self._generation(served) or 0) + 1}"
-        self._create_collection(
-            client, target, partitioned=self._partitioned, index_type=index_type,
-            timeout=self._switch_timeout_s,
-        )  # fmt: skip
-        self._build_target = (-math.inf, None)  # this process' writes go to both from now
-        try:
-            # Writes of every replica that looked before the target existed end before the copy reads.
-            time.sleep(self._write_window_s)
-            copied = self._backfill(client, target, deadline)
-            client.flush(target, timeout=self._switch_timeout_s)
-            self._wait_indexed(client, target, deadline)
+    async def _switch_step(self, step: Callable[[Any], T]) -> T:
+        """One step of a switch, in the pool of the long jobs (a step may wait minutes for an index)."""
+        return await asyncio.get_running_loop().run_in_executor(self._job_executor, self._call, step)
+
+    # -- interfaces.GalleryIndexSwitch: the steps pipelines/index_switch.py takes under its lease ----------
+
+    @property
+    def switch_name(self) -> str:
+        return self._collection
+
+    @property
+    def write_window_s(self) -> float:
+        return self._write_window_s
+
+    async def plan_switch(self) -> IndexSwitchPlan | None:
+        def plan(client: Any) -> IndexSwitchPlan | None:
+            if self._policy is None or self._stays_flat:
+                return None
+            current = client.describe_index(self._collection, "embedding", timeout=self._timeout_s) or {}
+            if current.get("index_type") not in (None, "", "FLAT"):
+                self._index_type = str(current["index_type"])  # switched already (by another replica)
+                return None
+            rows = self._count(client)
+            wanted = self._wanted_index(client, rows)
+            if wanted == "FLAT":
+                # Past the threshold and still FLAT (milvus-lite): no switch will ever be due, so the job
+                # stops counting the collection.
+                self._stays_flat = rows > self._policy.flat_max_rows
+                return None
+            served = self._served(client, client.list_collections(timeout=self._timeout_s))
+            if served is None:
+                raise BackendUnavailable(f"Milvus: {self._collection} names no collection")
+            target = f"{self._collection}__g{(self._generation(served) or 0) + 1}"
+            # A collection made before switches built beside it holds the served name itself: it is renamed
+            # (promote), so it goes on serving the calls under way.
+            retired = served if served != self._collection else f"{self._collection}__g0"
+            return IndexSwitchPlan(served, target, retired, wanted, rows)
+
+        return await self._switch_step(plan)
+
+    async def switch_stage(self, target: str) -> SwitchStage:
+        def stage(client: Any) -> SwitchStage:
+            names = client.list_collections(timeout=self._timeout_s)
+            if self._served(client, names) == target:
+                return "served"
+            return "beside" if target in names else "absent"
+
+        return await self._switch_step(stage)
+
+    async def begin_switch(self, plan: IndexSwitchPlan) -> None:
+        def begin(client: Any) -> None:
+            names = client.list_collections(timeout=self._timeout_s)
+            served = self._served(client, names)
+            if served != plan.served:
+                raise BackendUnavailable(f"Milvus: {self._collection} names {served}, not {plan.served}")
+            for name in names:
+                if self._generation(name) is not None and name != served:
+                    client.drop_collection(name, timeout=self._timeout_s)  # left by an abandoned switch
+            self._create_collection(
+                client, plan.target, partitioned=self._partitioned, index_type=plan.index_type,
+                timeout=self._switch_timeout_s,
+            )  # fmt: skip
+            self._build_target = (-math.inf, None)  # this process' writes go to both from now
+            logger.info(
+                "Milvus collection %s: %d rows, building %s beside it (%s)",
+                self._collection, plan.rows, plan.target, plan.index_type,
+            )  # fmt: skip
+
+        await self._switch_step(begin)
+
+    async def copy_page(self, target: str, after: str | None, limit: int) -> CopiedPage:
+        """Writes meanwhile reach both collections, the served one first, so per face id: a row the target
+        already holds is newer than the copy and is kept; a row deleted from the served collection after
+        the copy read it is deleted from the target again by the check that follows each insert (the
+        writer deleted it from the served collection first, so the check sees it gone whenever the
+        writer's own delete from the target came before the copy's insert)."""
+        fields = ["tenant_id", "model_version", "created_at", "embedding"]
+        batch = min(limit, _MAX_ITERATOR_BATCH)
+        after_term = f"face_id > {milvus_string(_checked_id(after, 'face_id'))}" if after else 'face_id != ""'
+
+        def copy(client: Any) -> CopiedPage:
+            # A query iterator returns rows in primary key order, the next ones after the cursor; a batch
+            # may hold fewer than batch_size while more follow (the server stops merging early): only an
+            # empty one ends the collection.
+            iterator = client.query_iterator(
+                self._collection, batch_size=batch, filter=after_term, output_fields=fields,
+                timeout=self._timeout_s,
+            )  # fmt: skip
+            rows: list[dict[str, Any]] = []
+            ended = False
+            try:
+                while len(rows) < batch and not ended:
+                    got = iterator.next()
+                    rows.extend(got)
+                    ended = not got
+            finally:
+                iterator.close()
+            copied = 0
+            for start in range(0, len(rows), _BATCH):
+                copied += self._copy_rows(client, target, rows[start : start + _BATCH], fields)
+            last = max((str(row["face_id"]) for row in rows), default=None)
+            return CopiedPage(len(rows), copied, None if ended else last)
+
+        return await self._switch_step(copy)
+
+    async def seal(self, target: str) -> None:
+        await self._switch_step(lambda client: client.flush(target, timeout=self._switch_timeout_s))
+
+    async def index_built(self, target: str) -> bool:
+        """Segments under the server's minimum size for an index (1,024 rows on 2.3.5) stay unindexed and
+        are searched exactly: the index covers the sealed segments."""
+
+        def built(client: Any) -> bool:
+            info = client.describe_index(target, "embedding", timeout=self._timeout_s) or {}
+            return int(info.get("pending_index_rows") or 0) == 0 and str(info.get("state")) == "Finished"
+
+        return await self._switch_step(built)
+
+    async def promote(self, plan: IndexSwitchPlan) -> None:
+        """Safe to repeat: a holder that died between the rename and the alias left the name pointing
+        nowhere, and the next one names the target."""
+
+        def promote(client: Any) -> None:
+            timeout = self._timeout_s
             # Strong counts: the query nodes hold every row written so far before searches move.
             logger.info(
-                "Milvus: %s holds %d rows (%d copied), %s %d",
-                target, self._count(client, target), copied, served, self._count(client, served),
+                "Milvus: %s holds %d rows, %s %d", plan.target, self._count(client, plan.target),
+                plan.served, self._count(client, plan.served),
             )  # fmt: skip
-        except BaseException:
-            client.drop_collection(target, timeout=timeout)
+            names = client.list_collections(timeout=timeout)
+            if plan.served == self._collection and self._collection in names:
+                # Renamed, it goes on serving the calls already under way (dropped, it answered some
+                # searches with nothing); the calls that look the name up before the alias names it are
+                # tried again (_run).
+                client.rename_collection(self._collection, plan.retired, timeout=timeout)
+                client.create_alias(plan.target, self._collection, timeout=timeout)
+            elif (served := self._served(client, names)) is None:
+                client.create_alias(plan.target, self._collection, timeout=timeout)  # a holder died here
+            elif served != plan.target:
+                client.alter_alias(plan.target, self._collection, timeout=timeout)
+            self._index_type = plan.index_type
             self._build_target = (-math.inf, None)
-            raise
-        if served == self._collection:
-            # A collection made before switches built beside it holds the served name itself. Renamed, it
-            # goes on serving the calls already under way (dropped, it answered some searches with
-            # nothing); the calls that look the name up before the alias names it are tried again (_run).
-            retired = f"{self._collection}__g0"
-            client.rename_collection(served, retired, timeout=timeout)
-            client.create_alias(target, self._collection, timeout=timeout)
-        else:
-            retired = served
-            client.alter_alias(target, self._collection, timeout=timeout)
-        self._index_type = index_type
-        time.sleep(self._write_window_s)  # searches and writes that found the old collection end
-        client.drop_collection(retired, timeout=timeout)
-        self._build_target = (-math.inf, None)
+            logger.info("Milvus collection %s: now %s (%s)", self._collection, plan.target, plan.index_type)
 
-    def _backfill(self, client: Any, target: str, deadline: float) -> int:
-        """Copy the served collection's rows that `target` lacks; returns how many were copied.
+        await self._switch_step(promote)
 
-        Writes meanwhile reach both collections, the served one first, so per face id: a row the target
-        already holds is newer than the copy and is kept; a row deleted from the served collection after the
-        copy read it is deleted from the target again by the check that follows each insert (the writer
-        deleted it from the served collection first, so the check sees it gone whenever the writer's own
-        delete from the target came before the copy's insert)."""
-        timeout = self._timeout_s
-        fields = ["tenant_id", "model_version", "created_at", "embedding"]
-        iterator = client.query_iterator(
-            self._collection, batch_size=_BACKFILL_BATCH, filter='face_id != ""', output_fields=fields,
-            timeout=timeout,
-        )  # fmt: skip
-        copied = 0
-        try:
-            while rows := iterator.next():
-                if time.monotonic() > deadline:
-                    raise BackendUnavailable(f"Milvus: copying {self._collection} to {target} timed out")
-                ids = ", ".join(milvus_string(str(row["face_id"])) for row in rows)
-                present = self._ids_in(client, target, ids)
-                missing = [{key: row[key] for key in ("face_id", *fields)} for row in rows]
-                missing = [row for row in missing if row["face_id"] not in present]
-                for start in range(0, len(missing), _BATCH):
-                    client.insert(target, missing[start : start + _BATCH], timeout=timeout)
-                if missing:
-                    copied_ids = ", ".join(milvus_string(str(row["face_id"])) for row in missing)
-                    kept = self._ids_in(client, self._collection, copied_ids)
-                    gone = [
-                        milvus_string(str(row["face_id"])) for row in missing if row["face_id"] not in kept
-                    ]
-                    if gone:
-                        client.delete(target, filter=f"face_id in [{', '.join(gone)}]", timeout=timeout)
-                    copied += len(missing) - len(gone)
-        finally:
-            iterator.close()
-        return copied
+    async def drop(self, name: str) -> None:
+        def drop(client: Any) -> None:
+            if client.has_collection(name, timeout=self._timeout_s):
+                client.drop_collection(name, timeout=self._timeout_s)
+            self._build_target = (-math.inf, None)
+
+        await self._switch_step(drop)
+
+    def _copy_rows(self, client: Any, target: str, rows: list[dict[str, Any]], fields: list[str]) -> int:
+        """Copy into `target` the rows (at most _BATCH) it lacks; returns how many it holds now."""
+        ids = ", ".join(milvus_string(str(row["face_id"])) for row in rows)
+        present = self._ids_in(client, target, ids)
+        missing = [{key: row[key] for key in ("face_id", *fields)} for row in rows]
+        missing = [row for row in missing if row["face_id"] not in present]
+        if not missing:
+            return 0
+        client.insert(target, missing, timeout=self._timeout_s)
+        copied_ids = ", ".join(milvus_string(str(row["face_id"])) for row in missing)
+        kept = self._ids_in(client, self._collection, copied_ids)
+        gone = [milvus_string(str(row["face_id"])) for row in missing if row["face_id"] not in kept]
+        if gone:
+            client.delete(target, filter=f"face_id in [{', '.join(gone)}]", timeout=self._timeout_s)
+        return len(missing) - len(gone)
 
     def _ids_in(self, client: Any, name: str, quoted_ids: str) -> set[str]:
         rows = client.query(
@@ -611,17 +676,6 @@ class MilvusGalleryStore:
             limit=_MAX_TOPK, timeout=self._timeout_s,
         )  # fmt: skip
         return {str(row["face_id"]) for row in rows}
-
-    def _wait_indexed(self, client: Any, name: str, deadline: float) -> None:
-        """Until the index covers every sealed segment (segments under the server's minimum size for an
-        index, 1,024 rows on 2.3.5, stay unindexed and are searched exactly)."""
-        while True:
-            info = client.describe_index(name, "embedding", timeout=self._timeout_s) or {}
-            if int(info.get("pending_index_rows") or 0) == 0 and str(info.get("state")) == "Finished":
-                return
-            if time.monotonic() > deadline:
-                raise BackendUnavailable(f"Milvus: building the index of {name} timed out ({info})")
-            time.sleep(1.0)
 
     def _search_params(self) -> dict[str, Any]:
         # Keys of every family: a FLAT search ignores them, and a replica that missed a switch still
@@ -673,7 +727,7 @@ class MilvusGalleryStore:
     async def add(self, entries: Sequence[GalleryEntry]) -> None:
         """Adding a face_id again replaces its row (retries of an enrolment stay idempotent). Returns once
         the rows are searchable at the store's consistency level (with "Tenant", once each tenant's write
-        timestamp is recorded); a switch of index this insert makes due runs in the background."""
+        timestamp is recorded)."""
         rows = [self._row(entry) for entry in entries]
         if not rows:
             return
@@ -691,66 +745,18 @@ class MilvusGalleryStore:
                     stamp = self._insert(client, name, batch)
                     for row in batch:
                         stamps[row["tenant_id"]] = max(stamps.get(row["tenant_id"], 0), stamp)
-            self._rows_seen += len(rows)  # a re-add replaces rows: an upper bound, recounted at the switch
             return stamps
 
         stamps = await self._run(replace)
         if self._clock is not None and self._consistency == "Tenant":
             for tenant_id, stamp in stamps.items():
                 await self._clock.advance(tenant_id, stamp)
-        self._start_switch_if_due()
 
     def _insert(self, client: Any, name: str, rows: list[dict[str, Any]]) -> int:
         """Insert; returns the write's Milvus timestamp (0 where the server gives none). MilvusClient.insert
         leaves the timestamp out of its answer; its connection handler returns it (MutationResult)."""
         result = client._get_connection().insert_rows(name, rows, timeout=self._timeout_s)
         return int(getattr(result, "timestamp", 0) or 0)
-
-    def _switch_due(self) -> bool:
-        policy = self._policy
-        due = policy is not None and self._rows_seen > policy.flat_max_rows
-        return due and self._index_type == "FLAT" and not self._stays_flat
-
-    def _start_switch_if_due(self) -> None:
-        # In the background: the insert that makes it due (an enrolment holding a face's lock) returns.
-        running = self._switch_task is not None and not self._switch_task.done()
-        if self._switch_due() and not running:
-            self._switch_task = asyncio.get_running_loop().create_task(self._switch_if_due())
-
-    async def switch_index_if_due(self) -> None:
-        """Switch the index now if the policy calls for it (a switch this store started: wait for it); for a
-        job or a command, as any insert past the threshold starts it in the background."""
-        await self._run(lambda client: None)  # connected: the rows are counted
-        task = self._switch_task
-        if task is not None and not task.done():
-            await asyncio.shield(task)
-        else:
-            await self._switch_if_due()
-
-    async def _switch_if_due(self) -> None:
-        if not self._switch_due():
-            return
-        try:
-            if self._leases is None:
-                await self._run(self._recount_and_switch)
-                return
-            # The switch is bounded by switch_timeout_s (copy and build) plus the write windows it waits
-            # out and the load: the lease outlives a live holder.
-            ttl = 2 * self._switch_timeout_s + 4 * self._write_window_s + 60
-            async with self._leases.try_hold(f"milvus-index:{self._collection}", ttl) as held:
-                if held:
-                    await self._run(self._recount_and_switch)
-                # Not held: another replica is switching; this one notices the new index when it sees it.
-        except BackendUnavailable as error:
-            # The rows are in and the served collection untouched; the next insert tries the switch again.
-            logger.warning("index switch of %s postponed: %s", self._collection, error)
-        except Exception:
-            logger.exception("index switch of %s failed", self._collection)
-
-    def _recount_and_switch(self, client: Any) -> None:
-        with self._switch_lock:
-            self._rows_seen = self._count(client)
-            self._apply_policy(client, self._rows_seen)
 
     def _checked_vector(self, embedding: np.ndarray) -> np.ndarray:
         vector = np.asarray(embedding, dtype=np.float32).reshape(-1)
@@ -907,13 +913,6 @@ class MilvusGalleryStore:
         return await self._run(query)
 
     async def close(self) -> None:
-        """A switch in progress stops where it is (the next one starts over; the served collection stays
-        whole throughout)."""
-        task, self._switch_task = self._switch_task, None
-        if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
         client, self._client = self._client, None
         if client is not None:
-            await asyncio.to_thread(client.close)
+            await asyncio.get_running_loop().run_in_executor(self._executor, client.close)

@@ -1,6 +1,6 @@
-"""Cluster-wide leases in Redis: one holder at a time for a job (the result archive, reconciliation, a
-gallery's index switch), lost when the holder stops renewing it (a crashed holder's lease lapses after its
-time to live). Every lease of the service is this one mechanism.
+"""Cluster-wide leases in Redis: one holder at a time for a job (reconciliation, the result archive and its
+retention sweep, a gallery's index switch), lost when the holder stops renewing it (a crashed holder's lease
+lapses after its time to live). Every lease of the service is this one mechanism.
 
 Keys: {p}sys:lease:{name}, holding the holder's name, with a millisecond expiry; {p}sys:job:{name}:{field},
 the job's state fields (a cursor, when a pass last completed), written only by the lease's holder, checked
@@ -9,17 +9,9 @@ atomically with each write (the fence of a holder that lost its lease while paus
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import secrets
-from collections.abc import AsyncIterator
-
 from redis.asyncio import Redis
 
-from serve_app.domain.errors import BackendUnavailable
 from serve_app.stores.redis_support import redis_errors, text
-
-logger = logging.getLogger(__name__)
 
 # Renew when ours, else take when free. KEYS: the lease. ARGV: holder, ttl in ms.
 _ACQUIRE = """
@@ -99,25 +91,3 @@ class RedisLease:
         args = [holder, *("d" if value is None else "s" + value for value in values.values())]
         async with redis_errors():
             return bool(await self._write(keys=keys, args=args))
-
-
-class RedisLeases:
-    """interfaces.Leases: leases named per call, each taken once without waiting and given back on exit."""
-
-    def __init__(self, redis: Redis, prefix: str = "fs:") -> None:
-        self._redis = redis
-        self._prefix = prefix
-
-    @contextlib.asynccontextmanager
-    async def try_hold(self, name: str, ttl_s: float) -> AsyncIterator[bool]:
-        lease = RedisLease(self._redis, name, self._prefix)
-        holder = secrets.token_hex(16)
-        held = await lease.acquire(holder, ttl_s)
-        try:
-            yield held
-        finally:
-            if held:
-                try:
-                    await lease.release(holder)
-                except BackendUnavailable as error:
-                    logger.warning("could not give back lease %s (it expires on its own): %s", name, error)

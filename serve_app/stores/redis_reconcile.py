@@ -20,8 +20,10 @@ from serve_app.stores.redis_support import redis_errors, text
 class RedisReconcileState(RedisLease):
     """interfaces.ReconcileState: the reconcile job's lease and fields, and the suspects."""
 
+    LEASE = "reconcile"  # the job's lease name
+
     def __init__(self, redis: Redis, prefix: str = "fs:") -> None:
-        super().__init__(redis, "reconcile", prefix)
+        super().__init__(redis, self.LEASE, prefix)
         self._suspects = f"{prefix}reconcile:suspects"
 
     def _suspect_key(self, kind: str, tenant_id: str) -> str:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from serve_app.domain.identifiers import is_reference_id
 from serve_app.domain.transactions import Transaction
-from serve_app.stores.interfaces import BlobStore
+from serve_app.stores.interfaces import BlobStore, SweptPage
 from serve_app.stores.transaction_codec import decode_transaction, encode_transaction
 
 _CONTENT_TYPE = "application/json"
@@ -50,10 +50,10 @@ class BlobResultArchive:
             return None
         return tx
 
-    async def sweep(self, archived_after_s: float) -> int:
-        """Delete the copies past the retention period. A copy is written archived_after_s or later after
-        its transaction became final, so one whose file is older than retention - archived_after_s is
-        due; returns how many went."""
+    async def sweep_page(self, after: str | None, archived_after_s: float, limit: int) -> SweptPage:
+        """A copy is written archived_after_s or later after its transaction became final, so one whose
+        file is older than retention - archived_after_s is due. The blob store's page, its cursor and all:
+        the archive holds nothing else (its own directory)."""
         if not self._retention_s:
-            return 0
-        return await self._blobs.sweep((), max(0.0, self._retention_s - archived_after_s))
+            return SweptPage(0, None)
+        return await self._blobs.sweep_old(after, max(0.0, self._retention_s - archived_after_s), limit)

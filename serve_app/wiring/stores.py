@@ -1,12 +1,22 @@
 """The stores of one process from Settings, each built once: one Redis connection pool serves every Redis
-store of the process (and the index switch's leases), and one Milvus client the gallery. Used by the ingress
-(serve_app.wiring.api), the worker (serve_app.wiring.worker), the CLI and the tests, so each gets the same
-stores configured the same way. No model library is imported here: the ingress must not load one
-(tests/unit/test_ingress_imports.py)."""
+store of the process (and the background jobs' leases), and one Milvus client the gallery. Used by the
+ingress (serve_app.wiring.api), the worker (serve_app.wiring.worker), the CLI and the tests, so each gets the
+same stores configured the same way. No model library is imported here: the ingress must not load one
+(tests/unit/test_ingress_imports.py).
+
+Thread pools (ThreadPools): the stores' blocking calls run in bounded pools of their own, apart from the
+event loop's default pool, which decodes images and runs the models. Milvus calls have one (a server that
+hangs holds its threads only: a transaction that needs no Milvus goes on decoding and estimating), blob
+I/O another (on a cluster the blob and result directories are a shared volume, NFS or the like, which can
+hang as a server can), and the long jobs a third (the index switch's steps, the walks of the blob and
+result directories: one that runs for minutes, or hangs on a file, never holds a thread the transactions
+need). A process builds its pools once and shuts them down when it stops."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 from redis.asyncio import Redis
 
@@ -18,7 +28,6 @@ from serve_app.stores.milvus_gallery import IndexPolicy, MilvusGalleryStore
 from serve_app.stores.redis_admission import RedisRequestAdmission
 from serve_app.stores.redis_audit import RedisAuditLog
 from serve_app.stores.redis_clients import RedisClientStore
-from serve_app.stores.redis_lease import RedisLeases
 from serve_app.stores.redis_ratelimit import RedisRateLimiter
 from serve_app.stores.redis_records import RedisFaceRecordStore
 from serve_app.stores.redis_support import connect_redis
@@ -26,6 +35,30 @@ from serve_app.stores.redis_tenant_clock import RedisTenantClock
 from serve_app.stores.redis_transactions import RedisTransactionStore
 from serve_app.stores.result_archive import BlobResultArchive
 from serve_app.wiring.models import serving_face_model
+
+
+@dataclass(frozen=True)
+class ThreadPools:
+    """A process' bounded thread pools (the module docstring), sized by Settings.threads."""
+
+    milvus: ThreadPoolExecutor
+    blobs: ThreadPoolExecutor
+    jobs: ThreadPoolExecutor
+
+    @classmethod
+    def build(cls, settings: Settings) -> ThreadPools:
+        threads = settings.threads
+        return cls(
+            milvus=ThreadPoolExecutor(threads.milvus, thread_name_prefix="milvus"),
+            blobs=ThreadPoolExecutor(threads.blobs, thread_name_prefix="blobs"),
+            jobs=ThreadPoolExecutor(threads.jobs, thread_name_prefix="jobs"),
+        )
+
+    def shutdown(self) -> None:
+        """Calls not yet started are dropped; a thread that hangs in a call is left to end with the
+        process (a thread cannot be stopped), never waited for."""
+        for pool in (self.milvus, self.blobs, self.jobs):
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass(frozen=True)
@@ -87,10 +120,12 @@ def lock_policy(settings: Settings) -> LockPolicy:
     return LockPolicy(wait_s=redis.lock_wait_s, ttl_s=redis.lock_ttl_s, max_hold_s=redis.lock_max_hold_s)
 
 
-def gallery_store(settings: Settings, redis: Redis | None = None) -> MilvusGalleryStore:
+def gallery_store(
+    settings: Settings, redis: Redis | None = None, pools: ThreadPools | None = None
+) -> MilvusGalleryStore:
     """The gallery (its Milvus client connects lazily, on first use). redis: the process' pool, for the
-    index switch's lease (taken once per switch, rarely) and the tenants' write clock (read by every
-    search); default: a small client of its own."""
+    tenants' write clock (read by every search); default: a small client of its own. pools: the process'
+    thread pools (None: the event loop's default pool, for a command that runs a few calls)."""
     milvus = settings.milvus
     if redis is None:
         redis = connect_redis(require(settings.redis.url, "REDIS_URL"), max_connections=4)
@@ -108,12 +143,20 @@ def gallery_store(settings: Settings, redis: Redis | None = None) -> MilvusGalle
             search_params=dict(milvus.search_params),
         ),
         consistency_level=milvus.consistency_level,
-        switch_leases=RedisLeases(redis, prefix=settings.redis.key_prefix),
         switch_timeout_s=milvus.index_switch_timeout_s,
         write_clock=RedisTenantClock(redis, prefix=settings.redis.key_prefix),
+        executor=pools.milvus if pools is not None else None,
+        job_executor=pools.jobs if pools is not None else None,
     )
 
 
-def result_archive(settings: Settings) -> BlobResultArchive:
+def blob_store(directory: Path, pools: ThreadPools | None = None) -> LocalBlobStore:
+    """A blob directory (uploads and proofs, or the result archive's) on the process' pools."""
+    if pools is None:
+        return LocalBlobStore(directory)
+    return LocalBlobStore(directory, io=pools.blobs, scans=pools.jobs)
+
+
+def result_archive(settings: Settings, pools: ThreadPools | None = None) -> BlobResultArchive:
     """Always there to read: results archived earlier stay readable if the hot window is later turned off."""
-    return BlobResultArchive(LocalBlobStore(settings.results), settings.retention.transaction_retention_s)
+    return BlobResultArchive(blob_store(settings.results, pools), settings.retention.transaction_retention_s)

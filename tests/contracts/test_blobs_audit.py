@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -61,20 +62,27 @@ def test_a_content_type_outside_printable_ascii_is_refused(
     run_with(open_blobs, scenario)
 
 
-def test_sweep_deletes_old_blobs_not_kept(open_blobs: Opener[BlobStore]) -> None:
+def test_sweep_old_deletes_old_blobs_a_page_at_a_time(open_blobs: Opener[BlobStore]) -> None:
     async def scenario(store: BlobStore) -> None:
-        for key in ("uploads/kept", "uploads/old-1", "proofs/t/old-2"):
+        old = [f"uploads/old-{n}" for n in range(6)] + ["proofs/t/old-6"]
+        for key in old:
             await store.put(key, b"data", "image/png")
-        assert await store.sweep(["uploads/kept"], 3600.0) == 0  # nothing is an hour old
+        page = await store.sweep_old(None, 3600.0, 100)
+        assert (page.removed, page.after) == (0, None)  # nothing is an hour old
+        await asyncio.sleep(0.05)
+        between = time.time()  # old ones before, the new one after: each call's age reaches back to it
         await asyncio.sleep(0.05)
         await store.put("uploads/new", b"data", "image/png")
-        # Keys that no blob could have, in `keep`, are ignored.
-        assert await store.sweep(["uploads/kept", "not a key", "uploads/new"], 0.02) == 2
-        assert await store.get("uploads/kept") == (b"data", "image/png")
+        removed, after, pages = 0, None, 0
+        while True:
+            page = await store.sweep_old(after, time.time() - between, 2)
+            removed, after, pages = removed + page.removed, page.after, pages + 1
+            if after is None:
+                break
+        assert removed == len(old) and pages > 1  # in pages, each of about `limit`
         assert await store.get("uploads/new") == (b"data", "image/png")
-        assert await store.get("uploads/old-1") is None
-        assert await store.get("proofs/t/old-2") is None
-        assert await store.sweep([], 3600.0) == 0
+        for key in old:
+            assert await store.get(key) is None
 
     run_with(open_blobs, scenario)
 

@@ -1,25 +1,30 @@
 """The gallery at scale, on milvus-lite and on a Milvus server (the `gallery_backend` fixture) through the
 store interface: tenants never see each other's faces (on the server through the tenant partition key), and
-the index policy switches a server's collection FLAT -> IVF_FLAT exactly past its threshold, one replica at
-a time, while search results stay those of exact search (milvus-lite stays FLAT). (The recall of
-approximate indexes on large collections is bench/vector_search.py's business.)"""
+the index-switch job (pipelines/index_switch.py, run here as a worker's loop runs it) switches a server's
+collection FLAT -> IVF_FLAT exactly past its threshold, one replica at a time, while search results stay
+those of exact search (milvus-lite stays FLAT); a switch whose holder died is taken over within the lease.
+(The recall of approximate indexes on large collections is bench/vector_search.py's business.)"""
 
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 import uuid
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from redis.asyncio import Redis
 
 from serve_app.domain.faces import GalleryEntry
 from serve_app.launch.embedded import EmbeddedRedis
+from serve_app.pipelines.index_switch import IndexSwitch, SwitchPolicy, SwitchReport, lease_name
 from serve_app.stores.milvus_gallery import IndexPolicy, MilvusGalleryStore
-from serve_app.stores.redis_lease import RedisLeases
+from serve_app.stores.redis_lease import RedisLease
 from serve_app.stores.redis_support import connect_redis
 from serve_app.stores.redis_tenant_clock import RedisTenantClock
+from tests.integration import switch_holder
 from tests.integration.conftest import GalleryBackend
 from tests.integration.gallery_support import gallery_rows
 
@@ -59,12 +64,27 @@ def large_index(backend: GalleryBackend) -> str:
     return "IVF_FLAT" if backend.server else "FLAT"
 
 
+def switch_job(store: MilvusGalleryStore, redis: Redis) -> IndexSwitch:
+    """The index-switch job on `store`, as a worker's loop builds it, looking at the size at every pass."""
+    lease = RedisLease(redis, lease_name(store), prefix=f"{store.collection}:")
+    return IndexSwitch(store, lease, SwitchPolicy(lease_s=30.0, every_s=0.0, poll_s=0.2))
+
+
+async def switch_pass(
+    store: MilvusGalleryStore, redis: Redis, holder: str = "replica"
+) -> SwitchReport | None:
+    """One pass of the job, as a worker's loop runs it (None: another replica holds the switch)."""
+    return await switch_job(store, redis).run_once(holder)
+
+
 def exact_top(vectors: np.ndarray, ids: list[str], probe: np.ndarray, k: int) -> list[str]:
     scores = vectors @ probe
     return [ids[i] for i in np.argsort(-scores)[:k]]
 
 
-def test_tenants_never_mix_and_index_switches_at_threshold(gallery_backend: GalleryBackend) -> None:
+def test_tenants_never_mix_and_index_switches_at_threshold(
+    gallery_backend: GalleryBackend, redis_url: str
+) -> None:
     rng = np.random.default_rng(12)
     centres = rng.standard_normal((40, DIM)).astype(np.float32)
     # Every tenant draws from the same centres, and tenant-b holds exact twins of tenant-a's first
@@ -100,6 +120,7 @@ def test_tenants_never_mix_and_index_switches_at_threshold(gallery_backend: Gall
     collection = fresh("scale")
 
     async def scenario() -> None:
+        redis = connect_redis(redis_url)
         store = MilvusGalleryStore(
             gallery_backend.uri, collection=collection, model_version="v1", dimension=DIM,
             index_policy=policy, write_window_s=SINGLE_WRITER_WINDOW_S,
@@ -108,7 +129,7 @@ def test_tenants_never_mix_and_index_switches_at_threshold(gallery_backend: Gall
             for tenant, vectors in per_tenant.items():
                 await store.add(entries(tenant, vectors, 0))
             assert len(await gallery_rows(gallery_backend.uri, store.collection)) == THRESHOLD
-            await store.switch_index_if_due()
+            assert await switch_pass(store, redis) == SwitchReport(False)
             assert store.index_type == "FLAT"  # at the threshold: still exact
             # milvus-lite has no partitions (the store noticed and kept the plain layout); a server's
             # collection has tenant_id as its partition key.
@@ -125,8 +146,9 @@ def test_tenants_never_mix_and_index_switches_at_threshold(gallery_backend: Gall
             await store.add(entries("tenant-a", extra, THRESHOLD // 3))
             rows = await gallery_rows(gallery_backend.uri, store.collection)
             assert len(rows) == len(set(rows)) == THRESHOLD + len(extra)
-            # Past the threshold: the crossing insert started the switch (on a server); it ends.
-            await store.switch_index_if_due()
+            # Past the threshold: the next pass switches (on a server).
+            report = await switch_pass(store, redis)
+            assert report is not None and report.switched is gallery_backend.server
             assert store.index_type == large_index(gallery_backend)
             grown = {**per_tenant, "tenant-a": np.vstack([per_tenant["tenant-a"], extra])}
             await check_search(store, grown)
@@ -153,6 +175,7 @@ def test_tenants_never_mix_and_index_switches_at_threshold(gallery_backend: Gall
             await reopened.close()
         finally:
             await store.close()
+            await redis.aclose()
 
     asyncio.run(scenario())
 
@@ -187,7 +210,9 @@ def test_existing_collection_without_partition_key_keeps_serving(gallery_backend
     asyncio.run(scenario())
 
 
-def test_default_policy_is_ivf_on_a_server_and_exact_on_milvus_lite(gallery_backend: GalleryBackend) -> None:
+def test_default_policy_is_ivf_on_a_server_and_exact_on_milvus_lite(
+    gallery_backend: GalleryBackend, redis_url: str
+) -> None:
     """Without an explicit large index, a Milvus server switches to IVF_FLAT past the threshold, and
     milvus-lite stays FLAT: its IVF_FLAT ignores nprobe, so switching would trade recall for speed without a
     way to buy recall back."""
@@ -195,6 +220,7 @@ def test_default_policy_is_ivf_on_a_server_and_exact_on_milvus_lite(gallery_back
     vectors = clustered(rng, 40, rng.standard_normal((4, DIM)).astype(np.float32))
 
     async def scenario() -> None:
+        redis = connect_redis(redis_url)
         store = MilvusGalleryStore(
             gallery_backend.uri, collection=fresh("default"), model_version="v1", dimension=DIM,
             index_policy=IndexPolicy(flat_max_rows=10), write_window_s=SINGLE_WRITER_WINDOW_S,
@@ -202,11 +228,12 @@ def test_default_policy_is_ivf_on_a_server_and_exact_on_milvus_lite(gallery_back
         try:
             await store.add([GalleryEntry(f"f{i}", "tenant-a", "v1", v, 0.0) for i, v in enumerate(vectors)])
             assert len(await gallery_rows(gallery_backend.uri, store.collection)) == 40
-            await store.switch_index_if_due()
+            await switch_pass(store, redis)
             assert store.index_type == ("IVF_FLAT" if gallery_backend.server else "FLAT")
             assert [m.face_id for m in await store.search("tenant-a", vectors[7], 1, -1.0)] == ["f7"]
         finally:
             await store.close()
+            await redis.aclose()
 
     asyncio.run(scenario())
 
@@ -214,10 +241,11 @@ def test_default_policy_is_ivf_on_a_server_and_exact_on_milvus_lite(gallery_back
 def test_index_switch_waits_for_the_cluster_wide_lease(
     gallery_backend: GalleryBackend, redis_url: str
 ) -> None:
-    """Replicas switch the index one at a time: while another holds the lease (it is switching), an insert
-    past the threshold leaves the index alone and succeeds; the next insert after the lease is given back
-    switches. Two replicas crossing the threshold together end with one index, every row and exact results
-    on both. (milvus-lite stays FLAT: an index build there lost rows the other replica inserted meanwhile.)"""
+    """Replicas switch the index one at a time: while another holds the lease (it is switching), a pass
+    past the threshold leaves the index alone; the next pass after the lease is given back switches. Two
+    replicas inserting across the threshold and running their passes at once end with one switch, one
+    index, every row and exact results on both. (milvus-lite stays FLAT: an index build there lost rows the
+    other replica inserted meanwhile.)"""
     rng = np.random.default_rng(31)
     centres = rng.standard_normal((8, DIM)).astype(np.float32)
     vectors = clustered(rng, 60, centres)
@@ -232,7 +260,6 @@ def test_index_switch_waits_for_the_cluster_wide_lease(
 
     async def scenario() -> None:
         redis = connect_redis(redis_url)
-        leases = RedisLeases(redis, prefix=f"{collection}:")
         replicas = [
             MilvusGalleryStore(
                 gallery_backend.uri,
@@ -240,25 +267,27 @@ def test_index_switch_waits_for_the_cluster_wide_lease(
                 model_version="v1",
                 dimension=DIM,
                 index_policy=policy,
-                switch_leases=leases,
             )
             for _ in range(2)
         ]
         first, second = replicas
-        name = f"milvus-index:{first.collection}"
+        lease = RedisLease(redis, lease_name(first), prefix=f"{first.collection}:")
         try:
-            async with leases.try_hold(name, 60) as held:
-                assert held
-                await first.add(entries[:25])  # past the threshold, but another replica "is switching"
-                await first.switch_index_if_due()  # the switch the insert started found the lease taken
-                assert first.index_type == "FLAT"
-                async with leases.try_hold(name, 60) as again:
-                    assert not again  # the lease is exclusive
-            # Both replicas cross again at once: one takes the lease and switches, the other carries on.
+            assert await lease.acquire("another-replica", 60)  # another replica "is switching"
+            await first.add(entries[:25])  # past the threshold
+            assert await switch_pass(first, redis, "replica-1") is None  # the lease is taken
+            assert first.index_type == "FLAT"
+            await lease.release("another-replica")
+            # Both replicas cross again at once and run their passes at once: one switches, the other
+            # finds the lease taken or the switch done.
             await asyncio.gather(first.add(entries[25:40]), second.add(entries[40:]))
-            await asyncio.gather(first.switch_index_if_due(), second.switch_index_if_due())
+            reports = await asyncio.gather(
+                switch_pass(first, redis, "replica-1"), switch_pass(second, redis, "replica-2")
+            )
+            switched = [report for report in reports if report is not None and report.switched]
+            assert len(switched) == (1 if gallery_backend.server else 0), reports
             for replica in replicas:
-                await replica.switch_index_if_due()  # the replica that lost the race notices now
+                await switch_pass(replica, redis)  # the replica that lost the race notices now
             expected = large_index(gallery_backend)
             assert (first.index_type, second.index_type) == (expected, expected)
             rows = await gallery_rows(gallery_backend.uri, first.collection)
@@ -280,9 +309,8 @@ def test_index_switch_serves_every_search_and_keeps_every_enrolment(
 ) -> None:
     """On a Milvus server (milvus-lite never switches), a switch runs while two replicas search and enrol
     and remove faces: no search fails or misses, each enrolled face is found at once by the other replica
-    (read-your-enrolment across replicas, through the tenants' write clock), the enrolment that crosses the
-    threshold returns without waiting for the switch, and at the end the served collection holds every
-    enrolled face exactly once and none of the removed ones, under its new index."""
+    (read-your-enrolment across replicas, through the tenants' write clock), and at the end the served
+    collection holds every enrolled face exactly once and none of the removed ones, under its new index."""
     rng = np.random.default_rng(77)
     centres = rng.standard_normal((40, DIM)).astype(np.float32)
     threshold = 3000
@@ -296,7 +324,6 @@ def test_index_switch_serves_every_search_and_keeps_every_enrolment(
 
     async def scenario() -> None:
         redis = connect_redis(redis_url)
-        leases = RedisLeases(redis, prefix=f"{collection}:")
         clock = RedisTenantClock(redis, prefix=f"{collection}:")
         writer, reader = (
             MilvusGalleryStore(
@@ -305,7 +332,6 @@ def test_index_switch_serves_every_search_and_keeps_every_enrolment(
                 model_version="v1",
                 dimension=DIM,
                 index_policy=policy,
-                switch_leases=leases,
                 write_clock=clock,
             )
             for _ in range(2)
@@ -363,14 +389,15 @@ def test_index_switch_serves_every_search_and_keeps_every_enrolment(
             loads = [asyncio.create_task(search_load()), asyncio.create_task(enrol_load())]
             await switching.wait()  # the first enrolment crossed the threshold: the switch runs meanwhile
             assert writer.index_type == "FLAT"
-            await writer.switch_index_if_due()
+            report = await switch_pass(writer, redis)
+            assert report is not None and report.switched
             assert writer.index_type == "IVF_FLAT"
             await asyncio.sleep(2)  # searches and enrolments after the switch too
             stop.set()
             searches, enrolments = await asyncio.gather(*loads)
             assert failures == [], failures
             assert searches > 0 and enrolments >= 3
-            await reader.switch_index_if_due()  # finds the switch done
+            assert await switch_pass(reader, redis) == SwitchReport(False)  # finds the switch done
             assert reader.index_type == "IVF_FLAT"
             rows = await gallery_rows(milvus_server, writer.collection)
             assert len(rows) == len(set(rows))  # no face twice
@@ -380,6 +407,72 @@ def test_index_switch_serves_every_search_and_keeps_every_enrolment(
         finally:
             for store in (writer, reader):
                 await store.close()
+            await redis.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_switch_whose_holder_died_is_taken_over_within_its_lease_and_completes(
+    milvus_server: str, redis_url: str
+) -> None:
+    """A replica (a process of its own) starts the switch, copies its first page and hangs: alive, it keeps
+    the switch past the lease's ttl (another replica's pass finds the lease taken). Then it is killed
+    mid-switch: its lease is never given back, only no longer renewed. Within the lease's ttl (seconds
+    here, a minute by default; the switch's lease used to last about an hour) another replica's pass takes
+    the switch over, goes on from the dead holder's cursor, and completes: the large index serves every
+    row, once."""
+    rng = np.random.default_rng(53)
+    rows = 6 * switch_holder.PAGE_ROWS  # twice the threshold
+    vectors = clustered(rng, rows, rng.standard_normal((20, switch_holder.DIM)).astype(np.float32))
+    ids = [f"f{i}" for i in range(rows)]
+    collection = fresh("takeover")
+
+    async def scenario() -> None:
+        redis = connect_redis(redis_url)
+        replica = switch_holder.store(milvus_server, collection)
+        holder = None
+        try:
+            await replica.add(
+                [GalleryEntry(f, TENANTS[0], "v1", v, 0.0) for f, v in zip(ids, vectors, strict=True)]
+            )
+            holder = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "tests.integration.switch_holder", milvus_server, redis_url, collection,
+                stdout=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+            assert holder.stdout is not None
+            said = await asyncio.wait_for(holder.stdout.readline(), 300)  # a hang guard
+            assert said.strip() == b"holding", said
+            job = switch_holder.job(replica, redis)
+            # Alive though stuck, the holder keeps renewing its lease in the background: past its ttl, the
+            # switch is still its own.
+            await asyncio.sleep(1.5 * switch_holder.LEASE_S)
+            assert await job.run_once("replica-b") is None
+            holder.kill()  # dies mid-switch
+            await holder.wait()
+            killed = time.monotonic()
+            report = None
+            while report is None:
+                assert time.monotonic() - killed < 30 * switch_holder.LEASE_S, "never taken over"
+                await asyncio.sleep(0.2)
+                started = time.monotonic() - killed
+                report = await job.run_once("replica-b")
+            print(
+                f"\ntaken over by the pass started {started:.1f} s after the holder died (lease "
+                f"{switch_holder.LEASE_S:.0f} s); switched {time.monotonic() - killed:.1f} s after it died"
+            )
+            assert report.switched and report.resumed
+            assert 0 < report.copied < rows  # from the dead holder's cursor on, not from the start
+            assert replica.index_type == "IVF_FLAT"
+            served = await gallery_rows(milvus_server, replica.collection)
+            assert sorted(served) == sorted((TENANTS[0], face_id) for face_id in ids)
+            for row in (5, 250, 590):
+                matches = await replica.search(TENANTS[0], vectors[row], 5, -1.0)
+                assert [m.face_id for m in matches] == exact_top(vectors, ids, vectors[row], 5)
+        finally:
+            if holder is not None and holder.returncode is None:
+                holder.kill()
+                await holder.wait()
+            await replica.close()
             await redis.aclose()
 
     asyncio.run(scenario())

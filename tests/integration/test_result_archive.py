@@ -26,9 +26,10 @@ from serve_app.domain.transactions import (
     upload_key,
 )
 from serve_app.launch.embedded import EmbeddedRedis
-from serve_app.pipelines.result_archive import ArchiveReport, ResultArchiver, archive_finished
+from serve_app.pipelines.result_archive import ArchiveReport, ResultArchiver, ResultSweeper, archive_finished
 from serve_app.pipelines.transactions import TransactionService
 from serve_app.stores.blobs import LocalBlobStore
+from serve_app.stores.interfaces import BlobPage, SweptPage
 from serve_app.stores.redis_lease import RedisLease
 from serve_app.stores.redis_records import RedisFaceRecordStore
 from serve_app.stores.redis_support import connect_redis, text, text_map
@@ -87,6 +88,14 @@ def stores(redis: Redis, directory: Path, **options: Any) -> tuple[RedisTransact
     prefix = f"a{uuid.uuid4().hex[:8]}:"
     store = RedisTransactionStore(redis, prefix=prefix, finished_ttl_s=3600, **options)
     return store, BlobResultArchive(LocalBlobStore(directory), retention_s=3600)
+
+
+def age_files(directory: Path, seconds: float) -> None:
+    """Make every file under `directory` last written `seconds` ago."""
+    then = time.time() - seconds
+    for path in directory.rglob("*"):
+        if path.is_file():
+            os.utime(path, (then, then))
 
 
 def test_a_finished_transaction_is_a_compact_hash_and_earlier_hashes_still_read(
@@ -227,11 +236,10 @@ def test_an_archived_result_ends_with_its_retention(redis_url: str, tmp_path: Pa
             now[0] = tx.updated_at + 101  # past the retention: gone, even before a sweep deletes the file
             assert await archive.get(tx.reference_id) is None
             assert await blobs.get(archive_key(tx.reference_id)) is not None
-            assert await archive.sweep(archived_after_s=0) == 0  # the file is younger than 100 s
-            for path in (tmp_path / "results").rglob("*"):
-                if path.is_file():
-                    os.utime(path, (time.time() - 101, time.time() - 101))
-            assert await archive.sweep(archived_after_s=0) == 1
+            page = await archive.sweep_page(None, archived_after_s=0, limit=100)
+            assert (page.removed, page.after) == (0, None)  # the file is younger than 100 s
+            age_files(tmp_path / "results", 101)
+            assert (await archive.sweep_page(None, archived_after_s=0, limit=100)).removed == 1
             assert await blobs.get(archive_key(tx.reference_id)) is None
         finally:
             await redis.aclose()
@@ -258,8 +266,8 @@ class PausingArchive:
     async def get(self, reference_id: str) -> Transaction | None:
         return await self._inner.get(reference_id)
 
-    async def sweep(self, archived_after_s: float) -> int:
-        return await self._inner.sweep(archived_after_s)
+    async def sweep_page(self, after: str | None, archived_after_s: float, limit: int) -> SweptPage:
+        return await self._inner.sweep_page(after, archived_after_s, limit)
 
 
 def test_one_archiver_at_a_time_and_a_dead_holder_loses_the_lease(redis_url: str, tmp_path: Path) -> None:
@@ -299,8 +307,9 @@ def test_an_archiver_whose_lease_lapsed_mid_pass_stops_at_its_next_batch(
     redis_url: str, tmp_path: Path
 ) -> None:
     """worker-1 is held up inside its first batch past its lease; worker-2 takes the lease and starts a
-    pass, which is held up in turn until worker-1 has resumed and returned. worker-1 must not go on to a
-    second batch beside worker-2's pass: it renews before every batch and finds the lease taken."""
+    pass, which is held up in turn (inside its first write) until worker-1 has resumed and returned.
+    worker-1 must not go on to a second batch beside worker-2's pass: it renews before every batch and
+    finds the lease taken."""
 
     async def scenario() -> None:
         redis = connect_redis(redis_url)
@@ -311,19 +320,26 @@ def test_an_archiver_whose_lease_lapsed_mid_pass_stops_at_its_next_batch(
             PausingArchive(archive, "worker-1", log),
             PausingArchive(archive, "worker-2", log),
         )
-        first = ResultArchiver(store, first_view, lease, hot_window_s=0, every_s=0.1, batch=1)
-        second = ResultArchiver(store, second_view, lease, hot_window_s=0, every_s=0.1, batch=1)
-        first_returned = asyncio.Event()
+        # Leases of 30 s: worker-1's lapses because the test expires it, never because the machine is slow.
+        first = ResultArchiver(store, first_view, lease, hot_window_s=0, every_s=10, batch=1)
+        second = ResultArchiver(store, second_view, lease, hot_window_s=0, every_s=10, batch=1)
+        lapsed, second_inside, first_returned = asyncio.Event(), asyncio.Event(), asyncio.Event()
         try:
             txs = [await finished(store, new_tx(TransactionKind.AGE_ESTIMATION), AGE) for _ in range(4)]
 
             async def past_the_lease() -> None:
-                await asyncio.sleep(0.6)  # the lease (3 x 0.1 s) lapses
+                await redis.delete(f"{store._prefix}sys:lease:result-archive")  # its ttl ran out
+                lapsed.set()
+                await second_inside.wait()
+
+            async def until_first_returned() -> None:
+                second_inside.set()
+                await first_returned.wait()
 
             first_view.pause = past_the_lease
-            second_view.pause = first_returned.wait
+            second_view.pause = until_first_returned
             first_pass = asyncio.create_task(first.run_once("worker-1"))
-            await asyncio.sleep(0.4)  # worker-1 is inside its first batch; its lease has lapsed
+            await lapsed.wait()  # worker-1 is inside its first batch; its lease has lapsed
             second_pass = asyncio.create_task(second.run_once("worker-2"))
             assert await first_pass is None  # it lost the lease during its pass
             first_returned.set()
@@ -369,6 +385,80 @@ def test_quality_reports_still_round_trip(redis_url: str, tmp_path: Path) -> Non
             assert tx.result == outcome
             await archive_finished(store, archive, hot_window_s=0)
             assert await archive.get(tx.reference_id) == tx
+        finally:
+            await redis.aclose()
+
+    run(scenario())
+
+
+class PagedBlobs(LocalBlobStore):
+    """A real blob directory that records every walk of it; at_page[n] runs inside the n-th (from 1)."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory)
+        self.pages: list[tuple[str | None, int]] = []  # (cursor, limit) of each sweep_old
+        self.at_page: dict[int, Callable[[], Awaitable[object]]] = {}
+
+    async def sweep_old(self, after: str | None, older_than_s: float, limit: int) -> SweptPage:
+        self.pages.append((after, limit))
+        hook = self.at_page.pop(len(self.pages), None)
+        if hook is not None:
+            await hook()
+        return await super().sweep_old(after, older_than_s, limit)
+
+    async def scan_old(self, after: str | None, older_than_s: float, limit: int) -> BlobPage:
+        raise AssertionError("the retention sweep deletes by age: it never lists keys")
+
+
+def files_under(directory: Path) -> int:
+    return sum(1 for path in directory.rglob("*") if path.is_file())
+
+
+def test_the_retention_sweep_walks_a_page_at_a_time_and_stops_when_its_lease_lapses(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """40 archived results past their retention, swept 5 at a time: the store is only ever asked for a
+    page after a cursor (the sweep's memory is one page), the lease is renewed after each page, and a
+    holder whose lease lapsed during its third page (another worker took it) stops there. The next holder
+    resumes from the last cursor the first one wrote and deletes the rest, never the young copy."""
+
+    async def scenario() -> None:
+        redis = connect_redis(redis_url)
+        store, _ = stores(redis, tmp_path, archive_after_s=1)
+        blobs = PagedBlobs(tmp_path / "results")
+        archive = BlobResultArchive(blobs, retention_s=100)
+        lease = RedisLease(redis, "result-sweep", store._prefix)
+        sweeper = ResultSweeper(archive, lease, hot_window_s=0, every_s=3600, lease_s=30, page=5)
+        try:
+            for _ in range(40):
+                await archive.put(await finished(store, new_tx(TransactionKind.AGE_ESTIMATION), AGE))
+            age_files(tmp_path / "results", 200)  # past the 100 s retention
+            young = await finished(store, new_tx(TransactionKind.AGE_ESTIMATION), AGE)
+            await archive.put(young)
+
+            async def lapse_and_take_over() -> None:
+                await redis.delete(f"{store._prefix}sys:lease:result-sweep")  # its ttl ran out meanwhile
+                assert await lease.acquire("worker-2", 30)
+
+            blobs.at_page[3] = lapse_and_take_over
+            assert await sweeper.run_once("worker-1") is None  # it lost the lease during its third page
+            first_pages = list(blobs.pages)
+            assert [limit for _, limit in first_pages] == [5, 5, 5]  # and asked for no fourth
+            assert first_pages[0][0] is None and None not in (first_pages[1][0], first_pages[2][0])
+            assert files_under(tmp_path / "results") > 2 * 20  # most of the old copies are still there
+
+            await lease.release("worker-2")  # worker-2 died before its pass; worker-3 goes on
+            blobs.pages.clear()
+            report = await sweeper.run_once("worker-3")
+            assert report is not None and report.resumed
+            # From the cursor of the last page worker-1 checkpointed (the one its third page started at).
+            assert blobs.pages[0] == (first_pages[2][0], 5)
+            assert {limit for _, limit in blobs.pages} == {5} and len(blobs.pages) > 1
+            assert await archive.get(young.reference_id) == young
+            assert files_under(tmp_path / "results") == 2  # the young copy and its type file
+            # The pass is complete: the next one is due an interval later, not at once.
+            blobs.pages.clear()
+            assert await sweeper.run_once("worker-3") is None and blobs.pages == []
         finally:
             await redis.aclose()
 

@@ -229,11 +229,49 @@ def test_the_worker_replica_builds_its_analysis_once_and_opens_one_redis_pool_an
                 worker.reconfigure({"concurency": 3})
         finally:
             await worker.shutdown()  # Serve's graceful shutdown (__del__): every task it started ends
-        assert all(task.done() for task in worker._tasks)
+        assert all(task.done() for task in worker._tasks.values())
         for pool in opened.redis_pools:
             await pool.aclose()
 
     asyncio.run(as_a_replica())
+
+
+def test_the_worker_replica_is_unhealthy_once_any_of_its_loops_has_ended(opened: OpenedClients) -> None:
+    """Every background loop of the registry (serve_app/wiring/worker.py, WorkerLoops) runs as a task of
+    the replica, and its health check watches each: a loop that died (here: its task cancelled, as one a
+    bug ended) fails the check, naming the loop, so Serve replaces the replica. One replica per loop, each
+    with that loop killed; the others keep running meanwhile."""
+    names = ["consumer", "webhooks", "metrics", "reconcile", "result-archive", "result-sweep", "index-switch"]
+    deployment = _built({})[WORKER]
+
+    async def replicas() -> None:
+        started = []
+        for _ in names:
+            before = asyncio.all_tasks()
+            worker = _as_a_replica_constructs(deployment, CountedRecipe(CheckedAnalysis()))
+            started.append((worker, sorted(asyncio.all_tasks() - before, key=lambda task: task.get_name())))
+        try:
+            await asyncio.sleep(0.05)
+            verdicts = []
+            for which, (worker, loops) in enumerate(started):
+                assert len(loops) == len(names)  # the defaults run every loop of the registry
+                await worker.check_health()  # every loop runs (the stores are unreachable: they retry)
+                loops[which].cancel()
+                await asyncio.wait({loops[which]})
+                try:
+                    await worker.check_health()
+                    verdicts.append("healthy")
+                except RuntimeError as error:
+                    verdicts.append(str(error))
+            assert "healthy" not in verdicts
+            for name in names:
+                assert sum(f"worker loop '{name}' stopped: cancelled" in verdict for verdict in verdicts) == 1
+        finally:
+            await asyncio.gather(*(worker.shutdown() for worker, _ in started))
+            for pool in opened.redis_pools:
+                await pool.aclose()
+
+    asyncio.run(replicas())
 
 
 class ModelHandle:

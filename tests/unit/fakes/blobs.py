@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
 
 from serve_app.stores.blobs import validate_content_type, validate_key
-from serve_app.stores.interfaces import BlobPage
+from serve_app.stores.interfaces import BlobPage, SweptPage
 from tests.unit.fakes.common import Faults
 
 
@@ -36,13 +35,15 @@ class FakeBlobStore:
         self.items.pop(key, None)
         self.written_at.pop(key, None)
 
-    async def sweep(self, keep: Collection[str], older_than_s: float) -> int:
-        await self._faults.check("blobs.sweep")
+    async def sweep_old(self, after: str | None, older_than_s: float, limit: int) -> SweptPage:
+        """Keys in order, the cursor being the last key of the page."""
+        await self._faults.check("blobs.sweep_old")
         cutoff = time.time() - older_than_s
-        doomed = [key for key in self.items if key not in keep and self.written_at.get(key, 0.0) < cutoff]
+        keys = sorted(key for key in self.items if after is None or key > after)[:limit]
+        doomed = [key for key in keys if self.written_at.get(key, 0.0) < cutoff]
         for key in doomed:
             await self.delete(key)
-        return len(doomed)
+        return SweptPage(len(doomed), keys[-1] if len(keys) == limit else None)
 
     async def scan_old(self, after: str | None, older_than_s: float, limit: int) -> BlobPage:
         """Keys in order, the cursor being the last key of the page."""
