@@ -27,6 +27,7 @@ and one wrapper:
 
     python -m serve_app.launch.haproxy exec --haproxy BINARY --error-file FILE -- <haproxy arguments>
     python -m serve_app.launch.haproxy env --port 8000 [--host 127.0.0.1]   (the exports for `serve run`)
+    python -m serve_app.launch.haproxy check                                (`make install`, the image)
 
 The wrapper runs on every reload, so this module imports nothing beyond the standard library at its top.
 """
@@ -42,6 +43,7 @@ import re
 import shlex
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -398,6 +400,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     wrapper.add_argument("--haproxy", type=Path, required=True)
     wrapper.add_argument("--error-file", type=Path, required=True)
     wrapper.add_argument("arguments", nargs=argparse.REMAINDER)
+    commands.add_parser("check", help="print the HAProxy binary the front door would run, and its version")
     env = commands.add_parser("env", help="prepare a front door and print its exports (for `serve run`)")
     env.add_argument("--port", type=int, required=True, help="the public port (http_options.port)")
     env.add_argument("--host", default="127.0.0.1", help="the public address (http_options.host)")
@@ -405,10 +408,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     if options.command == "exec":
         run_haproxy(options.haproxy, options.error_file, _without_separator(options.arguments))
         return 1  # not reached: exec replaced this process
+    if options.command == "check":
+        return check()
     front_door = FrontDoor.for_port(options.host, options.port)
     front_door.prepare()
     for key, value in sorted(front_door.environment().items()):
         print(f"export {key}={shlex.quote(value)}")
+    return 0
+
+
+def check() -> int:
+    """`make install` and the image build: the front door's HAProxy is there and runs."""
+    try:
+        binary = find_haproxy()
+        version = subprocess.run(
+            [str(binary), "-v"], capture_output=True, text=True, timeout=30, check=True
+        ).stdout.splitlines()[0]
+    except (FrontDoorError, OSError, subprocess.SubprocessError, IndexError) as error:
+        print(f"the front door's HAProxy: {error}", file=sys.stderr)
+        return 1
+    print(f"the front door's HAProxy: {binary} ({version})")
     return 0
 
 
