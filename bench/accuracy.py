@@ -4,8 +4,9 @@
 
 Prints: detection recall / false positives / group counts; verification score ranges, accuracy and
 false-match rate at the default threshold; age MAE by band and the share of each under_18 / under_21 value
-per true-age group (the age model's correction and bands are fitted on faces-calib by
-model_build.age_calibration, never here). 1:N identification: bench.identification.
+per true-age group, as the service decides them (models.age_policy at the default rate; the age model's
+correction and the rule's intervals are fitted on faces-calib, never here). 1:N identification:
+bench.identification.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import format_table, load_image
+from models.age_policy import AgeDecision, AgeIntervalRule, decide_age
 from models.analyzer import FaceAnalyzer, ModelConfig, largest_face, load_face_analyzer
 from models.calibration import FaceScoreCalibration
-from models.types import AgeEstimate, AnalyzedFace
+from models.types import AnalyzedFace
 from tests.faces_dev import LabelledImage, load_faces_dev
 
 AGE_BANDS: tuple[tuple[int, int], ...] = ((5, 11), (12, 17), (18, 25), (26, 40), (41, 70))
@@ -152,10 +154,10 @@ def verification_tables(descriptors: list[Descriptor], min_score: float) -> str:
     return f"{table}\n{summary}\n\n{sweep}"
 
 
-def age_tables(ages: list[tuple[int, AgeEstimate]], missing: int) -> str:
+def age_tables(ages: list[tuple[int, AgeDecision]], missing: int) -> str:
     truth = np.asarray([true_age for true_age, _ in ages], dtype=np.float64)
-    expected = np.asarray([estimate.expected_age for _, estimate in ages])
-    rounded = np.asarray([estimate.age for _, estimate in ages], dtype=np.float64)
+    expected = np.asarray([decision.estimate.expected_age for _, decision in ages])
+    rounded = np.asarray([decision.estimate.age for _, decision in ages], dtype=np.float64)
     rows = []
     for low, high in AGE_BANDS:
         mask = (truth >= low) & (truth <= high)
@@ -174,7 +176,7 @@ def age_tables(ages: list[tuple[int, AgeEstimate]], missing: int) -> str:
     for field in ("under_18", "under_21"):
         share_rows = []
         for name, low, high in AGE_GROUPS:
-            values = [getattr(estimate, field) for true_age, estimate in ages if low <= true_age <= high]
+            values = [getattr(decision, field) for true_age, decision in ages if low <= true_age <= high]
             counts = [sum(v == level for v in values) for level in (0, 50, 100)]
             share_rows.append([name, str(len(values))] + [f"{n} ({percent(n, len(values))})" for n in counts])
         header = ["true age", "faces", f"{field}=0", f"{field}=50", f"{field}=100"]
@@ -202,14 +204,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{verification_tables(descriptors, threshold)}\n"
     )
 
-    ages: list[tuple[int, AgeEstimate]] = []
+    ages: list[tuple[int, AgeDecision]] = []
     missing = 0
+    rule = AgeIntervalRule.load()
     for item in dev.of_kind("age"):
-        face = largest_face(faces[item.path.name])
-        if face is None or face.age is None or item.age is None:
+        decision = decide_age(faces[item.path.name], rule)
+        if decision is None or item.age is None:
             missing += 1
             continue
-        ages.append((item.age, face.age))
+        ages.append((item.age, decision))
     print(f"# Age (largest face of each age photo)\n{age_tables(ages, missing)}\n")
     return 0
 

@@ -13,7 +13,7 @@ under $FACESEARCH_AGE_CACHE (default /tmp/facesearch-age-cache; keyed by the pho
 a rerun costs no model time (the first runs the models on about 22,500 photos, 23 degraded copies of a
 900-photo sample of faces-calib being most of them). People are split once into a
 calibration half and a held-out half (SPLIT_SEED); faces-dev is reported, never fitted. The other sets are
-found next to faces-dev (FACES_DEV_DIR). The estimates' correction and bands (models/age_calibration.json)
+found next to faces-dev (FACES_DEV_DIR). The estimates' correction (models/age_calibration.json)
 are built by `python -m model_build.age_calibration`.
 """
 
@@ -710,13 +710,13 @@ def disagreements(photos: PhotoSet, made: list[AgeDecision | None]) -> list[str]
         if decision is None:
             continue
         if (
-            (age < young_18 and decision.estimate.under_18 == 0)
-            or (age >= adult and decision.estimate.under_18 == 100)
-            or (age < young_21 and decision.estimate.under_21 == 0)
+            (age < young_18 and decision.under_18 == 0)
+            or (age >= adult and decision.under_18 == 100)
+            or (age < young_21 and decision.under_21 == 0)
         ):
             out.append(
                 f"{path.name}: labelled {age}, estimate {decision.estimate.expected_age:.1f}, "
-                f"under_18 {decision.estimate.under_18}, under_21 {decision.estimate.under_21}"
+                f"under_18 {decision.under_18}, under_21 {decision.under_21}"
             )
     return out
 
@@ -737,7 +737,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     options = SessionOptions(intra_op_threads=args.threads)
     detector = FaceDetector(resolve("yunet_2023mar_int8bq"), DetectorOptions(), options)
-    calibration_stub = age_v2.AgeCalibration((0.0, 100.0), (0.0, 100.0), age_v2.AgeBands(16, 34, 19, 37))
+    calibration_stub = age_v2.AgeCalibration((0.0, 100.0), (0.0, 100.0))
     estimator = age_v2.FaceresAgeEstimator(converted("faceres_deep"), options, calibration_stub)
     calib, wild = labelled_set("faces-calib", "age", "age"), labelled_set("faces-wild", "", "age_low")
     dev = dev_set()

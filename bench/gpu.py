@@ -30,6 +30,7 @@ import onnxruntime as ort
 from bench.common import best_seconds, format_table, load_image, tile_to
 from models.analyzer import FaceAnalyzer, ModelConfig, load_face_analyzer
 from models.arrays import to_rgb
+from models.embedder import FusedEmbedder
 from models.weights import converted
 from tests.faces_dev import load_faces_dev
 
@@ -103,13 +104,15 @@ def model_rows(analyzer: FaceAnalyzer, images: Sequence[np.ndarray], repeats: in
     sface_chips = np.concatenate([c.sface_chips for c in crops if c.sface_chips is not None])
     age_views = np.concatenate([c.age_views for c in crops if c.age_views is not None])
     prepared = [analyzer.detector.prepare(to_rgb(image)) for image in images]
+    v2 = analyzer.embedder
+    assert isinstance(v2, FusedEmbedder)  # the stages of face model v2
     rows = []
     for batch in BATCH_SIZES:
         batch_prepared = [prepared[i % len(prepared)] for i in range(batch)]
         stages = [
             ("detection (YuNet 640 px), images/s", analyzer.detector.detect_prepared, batch_prepared),
-            ("dlib descriptor, faces/s", analyzer.embedder.dlib.embed, tile_to(dlib_chips, batch)),
-            ("SFace descriptor, faces/s", analyzer.embedder.sface.embed, tile_to(sface_chips, batch)),
+            ("dlib descriptor, faces/s", v2.dlib.embed, tile_to(dlib_chips, batch)),
+            ("SFace descriptor, faces/s", v2.sface.embed, tile_to(sface_chips, batch)),
             ("age (faceres-deep), faces/s", analyzer.age_estimator.estimate, tile_to(age_views, batch)),
         ]
         for stage, run, argument in stages:

@@ -31,13 +31,14 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
 from bench.common import format_table, load_image
 from models.analyzer import ModelConfig
 from models.arrays import to_rgb
-from models.calibration import CALIBRATION_PATH, FaceScoreCalibration
+from models.calibration import CALIBRATION_PATH, FaceScoreCalibration, fit_score_table, threshold_at_rate
 from models.chips import align_chip
 from models.embedder import FaceEmbedder, SFaceEmbedder, fuse_vectors
 from models.quality import Pose, assess_quality, judge_quality
@@ -49,10 +50,6 @@ CALIB_DIR = faces_dev_dir().parent / "faces-calib"
 FARS = (1e-2, 1e-3, 1e-4)
 FPIRS = (0.10, 0.01)
 CANDIDATES = 10  # the service's default list length
-TAIL_FIT = (1e-5, 1e-3)  # FMR range the exponential tail is fitted on
-LAST_MEASURED_FMR = 1e-5  # below this, fewer than ~11 of 1.1M impostor pairs: the fitted tail takes over
-FMR_KNOTS = (0.5, 0.3, 0.1, 0.03, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5, 1e-5)
-FMR_FLOOR_LOG10 = -10.0  # score 1.0
 
 
 # ---- embeddings -------------------------------------------------------------------------------------------
@@ -183,15 +180,6 @@ def pair_scores(
     same = ids[upper[0]] == ids[upper[1]]
     values = sub[upper]
     return values[same], values[~same]
-
-
-def threshold_at_rate(negatives: np.ndarray, rate: float) -> float:
-    """Smallest t with share(negatives >= t) <= rate."""
-    ordered = np.sort(negatives)[::-1]
-    allowed = math.floor(rate * len(ordered))
-    if allowed >= len(ordered):
-        return -np.inf
-    return float(np.nextafter(ordered[allowed], np.inf))
 
 
 def eer(genuine: np.ndarray, impostor: np.ndarray) -> float:
@@ -329,49 +317,28 @@ def model_table(label: str, photos: PhotoSet, weights: tuple[float, float]) -> s
 
 
 def calibration(photos: PhotoSet, weights: tuple[float, float]) -> dict[str, object]:
-    """Cosine -> FMR knots of the fused v2 vector, with the fitted exponential tail."""
+    """Cosine -> FMR knots of the fused v2 vector, with the fitted exponential tail (the service's rule for
+    every face model's table: models.calibration.fit_score_table)."""
     fused = fuse_vectors(unit(photos.dlib), photos.sface, weights)
     genuine, impostor = pair_scores(cosine(fused, fused), photos.identities, photos.found)
-    ordered = np.sort(impostor)
-    knots = []
-    for fmr in FMR_KNOTS:
-        t = threshold_at_rate(impostor, fmr)
-        knots.append((float(t), math.log10(fmr)))
-    # Tail: log10 FMR linear in the cosine, fitted on the measured tail; an exponential tail falls more
-    # slowly than the roughly Gaussian bulk, so extrapolating it overstates FMR (the conservative side).
-    low, high = threshold_at_rate(impostor, TAIL_FIT[1]), threshold_at_rate(impostor, TAIL_FIT[0])
-    grid = np.linspace(low, high, 25)
-    measured = 1.0 - np.searchsorted(ordered, grid, side="left") / len(ordered)
-    keep = measured > 0
-    fitted, _ = np.polyfit(grid[keep], np.log10(measured[keep]), 1)
-    # The measured bulk steepens with the cosine (roughly Gaussian); continuing with the shallower of the
-    # fitted and the end-to-end slope of the fitted range overstates the FMR beyond it: conservative.
-    end_to_end = math.log10(TAIL_FIT[0] / TAIL_FIT[1]) / (high - low)
-    slope = max(float(fitted), end_to_end)
-    anchor_cos, anchor_log = knots[-1]
-    tail_end = anchor_cos + (FMR_FLOOR_LOG10 - anchor_log) / slope
-    step = (tail_end - anchor_cos) / 10
-    for k in range(1, 11):
-        c = anchor_cos + k * step
-        knots.append((float(c), float(anchor_log + slope * (c - anchor_cos))))
+    table = fit_score_table(impostor, "face_v2_dlib_sface")
+    knots = cast(list[dict[str, float]], table["knots"])
     return {
-        "model_version": "face_v2_dlib_sface",
+        "model_version": table["model_version"],
         "source": "python -m bench.identification --write-calibration (faces-calib identity photos)",
-        "impostor_pairs": len(impostor),
+        "impostor_pairs": table["impostor_pairs"],
         "genuine_pairs": len(genuine),
         "fusion_weights": {"dlib": weights[0], "sface": weights[1]},
-        "tail": {
-            "fitted_on_fmr": list(TAIL_FIT),
-            "log10_fmr_per_cosine": slope,
-            "fitted_slope": float(fitted),
-            "from_cosine": anchor_cos,
+        "tail": table["tail"],
+        "knots": knots,
+        "genuine_share_below": {
+            f"{k['cosine']:.4f}": round(float(np.mean(genuine < k["cosine"])), 5) for k in knots[::2]
         },
-        "knots": [{"cosine": round(c, 6), "log10_fmr": round(v, 4)} for c, v in knots],
-        "genuine_share_below": {f"{c:.4f}": round(float(np.mean(genuine < c)), 5) for c, _ in knots[::2]},
     }
 
 
 def calibration_table(calib: FaceScoreCalibration, photos: PhotoSet) -> str:
+    assert calib.fusion_weights is not None  # face model v2's table
     fused = fuse_vectors(unit(photos.dlib), photos.sface, calib.fusion_weights)
     genuine, impostor = pair_scores(cosine(fused, fused), photos.identities, photos.found)
     rows = []

@@ -14,12 +14,12 @@ from facesearch_client.calls import Call
 from facesearch_client.errors import TransactionFailed
 from facesearch_client.models import Pending, Result, parse_result
 
-RETRY_STATUSES = (429, 503)
+RETRY_STATUSES = (429, 503, 507)  # 507: the service's storage is full, nothing was created
 
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Back-off on 429 and 503: wait what Retry-After says (capped at max_wait_s), else an exponential
+    """Back-off on 429, 503 and 507: wait what Retry-After says (capped at max_wait_s), else an exponential
     delay from base_s; give up (RetriesExhausted) after max_retries retries."""
 
     max_retries: int = 5
@@ -97,6 +97,17 @@ class Session:
             assert self.client_secret
             return {"Client-Secret": self.client_secret}
         return {"Authorization": f"Bearer {self._token}"}
+
+
+def created_outcome(response: httpx.Response) -> Result | str:
+    """A create's answer: the result when the service answered it in the same request (Prefer: wait and
+    final in time), else the reference_id to wait for (the create's own envelope, data: reference_id
+    alone). TransactionFailed for a failed one."""
+    data = calls.data_of(response)
+    if response.status_code == 200 and set(data) == {"reference_id"}:
+        return str(data["reference_id"])
+    answer = outcome(response)
+    return answer.reference_id if isinstance(answer, Pending) else answer
 
 
 def outcome(response: httpx.Response) -> Result | Pending:

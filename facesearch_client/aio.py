@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 
 from facesearch_client import calls
-from facesearch_client._policy import RetryPolicy, Session, outcome
+from facesearch_client._policy import RetryPolicy, Session, created_outcome, outcome
 from facesearch_client.calls import Call, Image
 from facesearch_client.errors import ResultTimeout
 from facesearch_client.models import (
@@ -162,10 +162,26 @@ class AsyncFaceSearchClient:
                 await self._sleep(interval)
                 interval = min(0.4, interval * 1.5)
 
-    async def search(self, image: Image, timeout_s: float = 120.0, **options: Any) -> FaceSearchResult:
-        answer = await self.wait(await self.submit_face_search(image, **options), timeout_s)
-        assert isinstance(answer, FaceSearchResult)
+    async def face_search(self, image: Image, wait_s: float = 10.0, **options: Any) -> FaceSearchResult | str:
+        """Create a face search and have the service hold the same request up to wait_s seconds
+        (`Prefer: wait`): the result when it is final in time, else the reference_id to wait() for.
+        Options as submit_face_search; a retry (503, 429, a fresh login) sends the same Idempotency-Key,
+        so it answers the same transaction's result."""
+        call = calls.face_search(image, wait_s=wait_s, **options)
+        answer = created_outcome(await self.send(call))
+        assert not isinstance(answer, AgeResult)
         return answer
+
+    async def search(self, image: Image, timeout_s: float = 120.0, **options: Any) -> FaceSearchResult:
+        """One request when the result is ready within 10 s (face_search), else long polls of /result up
+        to timeout_s in all."""
+        started = time.monotonic()
+        answer = await self.face_search(image, wait_s=min(10.0, timeout_s), **options)
+        if not isinstance(answer, str):
+            return answer
+        result = await self.wait(answer, max(0.0, timeout_s - (time.monotonic() - started)))
+        assert isinstance(result, FaceSearchResult)
+        return result
 
     async def proof(self, url: str) -> bytes:
         """The proof image behind a proof URL (the URL is its own credential)."""

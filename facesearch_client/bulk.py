@@ -34,6 +34,7 @@ from facesearch_client.errors import FaceSearchError
 from facesearch_client.models import FaceSearchResult
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
+CREATE_WAIT_S = 10.0  # how long a submission asks the service to hold its request for the result
 
 
 @dataclass(frozen=True)
@@ -202,18 +203,26 @@ async def enroll(
         reference_id = (
             previous.get("reference_id") if previous and previous["status"] == "submitted" else None
         )
+        answer: FaceSearchResult | str | None = None
         if reference_id is None:
             key = _unanswered(previous).get("idempotency_key") or str(uuid.uuid4())
             state.record(row.key, "submitting", idempotency_key=key)
-            reference_id = await client.submit_face_search(
+            # One request per row when the result is ready within the wait (Prefer: wait).
+            answer = await client.face_search(
                 row.path,
+                wait_s=min(CREATE_WAIT_S, timeout_s),
                 client_reference=row.client_reference,
                 allow_override=allow_override or None,
                 idempotency_key=key,
             )
+            reference_id = answer if isinstance(answer, str) else answer.reference_id
             state.record(row.key, "submitted", reference_id=reference_id)
-        result = await client.wait(str(reference_id), timeout_s)
-        assert isinstance(result, FaceSearchResult)
+        if isinstance(answer, FaceSearchResult):
+            result = answer
+        else:
+            waited = await client.wait(str(reference_id), timeout_s)
+            assert isinstance(waited, FaceSearchResult)
+            result = waited
         return _failure_reason(result), {"reference_id": reference_id, "face_id": f"f{reference_id}"}
 
     try:

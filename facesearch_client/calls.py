@@ -49,6 +49,12 @@ def _flag(value: bool) -> str:
     return "1" if value else "0"
 
 
+def prefer_wait(wait_s: float | None) -> dict[str, str]:
+    """RFC 7240 `Prefer: wait=N` (whole seconds, at least 1), or no header for None or 0: the service holds
+    the request until the transaction is final or N seconds (capped by the service) pass."""
+    return {"Prefer": f"wait={max(1, round(wait_s))}"} if wait_s else {}
+
+
 def _idempotency(key: str | None) -> dict[str, str]:
     """The Idempotency-Key of one logical create: the Call carries it, so every retry of the Call (on 503,
     429, after a fresh login) sends the same key and the service creates the transaction at most once.
@@ -75,10 +81,12 @@ def face_search(
     filename: str | None = None,
     extra: dict[str, Any] | None = None,
     idempotency_key: str | None = None,
+    wait_s: float | None = None,
 ) -> Call:
     """as_json: send the image as a Base64 data URI in a JSON body instead of a multipart upload.
-    idempotency_key: this request's key (default: a new UUID, reused by every retry of the Call)."""
-    headers = _idempotency(idempotency_key)
+    idempotency_key: this request's key (default: a new UUID, reused by every retry of the Call).
+    wait_s: Prefer: wait=N, the result in the create's own answer when it is final within N seconds."""
+    headers = {**_idempotency(idempotency_key), **prefer_wait(wait_s)}
     name, content = _image(image, filename)
     fields: dict[str, Any] = {"type": "face_search"}
     if client_reference is not None:
@@ -111,6 +119,7 @@ def age_estimation(
     filename: str | None = None,
     extra: dict[str, Any] | None = None,
     idempotency_key: str | None = None,
+    wait_s: float | None = None,
 ) -> Call:
     name, content = _image(image, filename)
     data = {"type": "age_estimation"}
@@ -124,15 +133,14 @@ def age_estimation(
         "/age-estimation",
         data=data,
         files={"file": (name, content, "application/octet-stream")},
-        headers=_idempotency(idempotency_key),
+        headers={**_idempotency(idempotency_key), **prefer_wait(wait_s)},
     )
 
 
 def result(reference_id: str, wait_s: float | None = None) -> Call:
     """wait_s: long poll (Prefer: wait=N, RFC 7240): the service holds the request until the transaction
     is final or N seconds (capped by the service) pass."""
-    headers = {"Prefer": f"wait={max(1, round(wait_s))}"} if wait_s else {}
-    return Call("POST", "/result", json={"reference_id": reference_id}, headers=headers)
+    return Call("POST", "/result", json={"reference_id": reference_id}, headers=prefer_wait(wait_s))
 
 
 def list_faces(
@@ -169,9 +177,12 @@ def error_of(response: httpx.Response) -> ApiError:
         message, errors = str(body.get("message", "")), dict(body.get("errors") or {})
     except (ValueError, AttributeError):
         message, errors = response.text[:200], {}
-    kind = {401: AuthenticationError, 429: RetriesExhausted, 503: RetriesExhausted}.get(
-        response.status_code, ApiError
-    )
+    kind = {
+        401: AuthenticationError,
+        429: RetriesExhausted,
+        503: RetriesExhausted,
+        507: RetriesExhausted,
+    }.get(response.status_code, ApiError)
     return kind(response.status_code, message or response.reason_phrase, errors)
 
 

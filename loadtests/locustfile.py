@@ -8,11 +8,13 @@ Every run is bounded by -t; each simulated user also stops itself after FACESEAR
 (default 500), and a headless run ends once every user has stopped, so a run ends even without -t.
 
 Users send through facesearch_client (login and token refresh, polling, back-off on 429/503); every HTTP
-request it makes, retries included, is reported to Locust. A request counts as failed when it gets an error
-status, when a result is not final within 30 s, when a transaction ends `failed`, or when a proof URL does
-not serve an image. Proofs are only taken for faces
-that nothing replaces (enrolled under "keep-..." references, never overridden), so every proof URL taken
-must serve its image; the "load-..." references are overridden all the time to exercise replacement.
+request it makes, retries included, is reported to Locust. A third of the users search in one request
+(`Prefer: wait` on the create: the result in its own answer, a long poll only when it was not final in
+time), a third long-poll `/result` after the create, a third poll it on a timer. A request counts as
+failed when it gets an error status, when a result is not final within 30 s, when a transaction ends
+`failed`, or when a proof URL does not serve an image. Proofs are only taken for faces that nothing
+replaces (enrolled under "keep-..." references, never overridden), so every proof URL taken must serve its
+image; the "load-..." references are overridden all the time to exercise replacement.
 At the end one line sums it up: requests=.. failures=.. p50=..ms p99=..ms (exit code 1 on any failure).
 """
 
@@ -51,6 +53,9 @@ MAX_TASKS_PER_USER = int(os.environ.get("FACESEARCH_LOAD_MAX_TASKS", "500"))
 POLL_TIMEOUT_S = 30.0
 POLL_INTERVAL_S = 0.1
 LONG_POLL_WAIT_S = 5  # users that long-poll send `Prefer: wait=5` instead of sleeping between polls
+# How each user waits for a search's result (users take them in turn).
+ONE_REQUEST, LONG_POLL, TIMED_POLLS = "one request", "long poll", "timed polls"
+STYLES = (ONE_REQUEST, LONG_POLL, TIMED_POLLS)
 PROOF_URLS_KEPT = 20
 KEEP_PREFIX = "keep-"
 _DEFAULT_PHOTOS = Path(__file__).resolve().parent.parent.parent / "shared" / "testdata" / "faces-dev"
@@ -96,6 +101,8 @@ def _endpoint(request: httpx.Request) -> str:
         return "/get-proof/[token]"
     if path == "/result" and "prefer" in request.headers:
         return "/result (long poll)"
+    if path == "/face-search" and "prefer" in request.headers:
+        return "/face-search (Prefer: wait)"
     return path
 
 
@@ -143,8 +150,9 @@ class FaceSearchUser(User):
     def on_start(self) -> None:
         self.tasks_done = 0
         self.proof_urls: deque[str] = deque(maxlen=PROOF_URLS_KEPT)
-        # Every other user long-polls /result, the rest poll on a timer: both ways real clients use.
-        self.long_poll_s = LONG_POLL_WAIT_S if next(_USER_NUMBERS) % 2 == 1 else None
+        # Every way real clients wait for a result: one request, long polls, polls on a timer.
+        self.style = STYLES[next(_USER_NUMBERS) % len(STYLES)]
+        self.long_poll_s = None if self.style == TIMED_POLLS else LONG_POLL_WAIT_S
         options = self.environment.parsed_options
         http = httpx.Client(base_url=self.host or "", transport=LocustTransport(self.environment), timeout=60)
         self.api = FaceSearchClient(
@@ -187,13 +195,20 @@ class FaceSearchUser(User):
         return None
 
     def _search(self, photo: Photo, **options: Any) -> None:
+        answer: Result | str | None
         try:
-            reference_id = self.api.submit_face_search(
-                photo.data, as_json=True, filename=photo.name, **options
-            )
+            if self.style == ONE_REQUEST:
+                answer = self.api.face_search(
+                    photo.data, wait_s=LONG_POLL_WAIT_S, as_json=True, filename=photo.name, **options
+                )
+            else:
+                answer = self.api.submit_face_search(photo.data, as_json=True, filename=photo.name, **options)
+        except TransactionFailed as error:
+            self._failed("transaction failed", error)
+            return
         except ApiError:
             return  # reported by the transport
-        result = self._wait(reference_id)
+        result = self._wait(answer) if isinstance(answer, str) else answer
         if isinstance(result, FaceSearchResult):
             self.proof_urls.extend(
                 match.proof_url for match in result.matches if match.client_reference.startswith(KEEP_PREFIX)

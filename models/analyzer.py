@@ -37,8 +37,9 @@ from models.arrays import to_rgb
 from models.chips import aligned_chips
 from models.detector import DetectorOptions, LetterboxedImage, letterbox
 from models.embedder import CHIP_SIZE as DESCRIPTOR_CHIP_SIZE
+from models.face_model import OperatorFaceModel
 from models.quality import DEFAULT_QUALITY_THRESHOLDS, QualityThresholds, assess_quality
-from models.registry import MODELS, AgeEstimator, Aligner, Detector, Embedder, ModelEntry, Stage
+from models.registry import MODELS, AgeEstimator, Aligner, Detector, Embedder, ModelEntry, Models, Stage
 from models.runners import AnalysisRunner, BatchRunner
 from models.sessions import DEFAULT_PROVIDER_PREFERENCE, SessionOptions
 from models.types import AgeEstimate, AnalyzedFace, DetectedFace, FaceQuality
@@ -71,13 +72,17 @@ class ModelConfig:
     gpu_image_run_size: int = 8
     gpu_face_run_size: int = 16
     detector: DetectorOptions = field(default_factory=DetectorOptions)
+    # A recognition model the operator brings in place of face model v2. Not a config file key: it comes
+    # from the settings (FACESEARCH_FACE_MODEL_*), which every process reads, because the ingress and the
+    # stores must agree on the gallery version it makes (serve_app.wiring.models).
+    face_model: OperatorFaceModel | None = None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
         """From a config file's `model_config` mapping; a nested `detector` mapping holds the fields of
         DetectorOptions. Unknown keys are an error, not silently ignored (the under_18 / under_21 flags are
         models.age_policy's calibrated intervals, set by FACESEARCH_AGE_MINOR_CLEARED_RATE)."""
-        known = {item.name for item in dataclasses.fields(cls)}
+        known = {item.name for item in dataclasses.fields(cls)} - {"face_model"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown model_config keys {unknown}; known: {sorted(known)}")
@@ -110,12 +115,18 @@ class ModelConfig:
             return "fallback"
         return "warn" if self.allow_cpu_fallback else "fail"
 
+    @property
+    def models(self) -> Models:
+        """The registry's models with the configured face model."""
+        return MODELS.with_face_model(self.face_model)
+
     def verify_files(self) -> None:
         """Every file the registry's models load, verified by sha256 without building a session:
         WeightFileError naming the file and the fix. For a launcher, before it starts the processes that
         load them."""
-        for entry in MODELS.entries().values():
-            entry.files(self.models_dir)
+        for entry in self.models.entries().values():
+            if entry.workloads:
+                entry.files(self.models_dir)
 
     def load(self, entry: ModelEntry[_M]) -> _M:
         """A registry entry's model: its files verified by sha256 (WeightFileError names the file and the
@@ -126,16 +137,18 @@ class ModelConfig:
         return entry.load(entry.files(self.models_dir), self.session_options(run_size), self)
 
     def load_detector(self) -> Detector:
-        return self.load(MODELS.detector)
+        return self.load(self.models.detector)
 
     def load_cropper(self) -> FaceCropper:
-        return FaceCropper(self.load(MODELS.landmarks))
+        """The cropper; with dlib's landmarks only when the face model reads dlib's chips."""
+        landmarks = self.models.landmarks
+        return FaceCropper(self.load(landmarks) if landmarks.workloads else None)
 
     def load_embedder(self) -> Embedder:
-        return self.load(MODELS.embedder)
+        return self.load(self.models.embedder)
 
     def load_age_estimator(self) -> AgeEstimator:
-        return self.load(MODELS.age)
+        return self.load(self.models.age)
 
     def letterboxer(self) -> Callable[[np.ndarray], LetterboxedImage]:
         """The detector's image preparation, for a process that sends letterboxed images to a detector
@@ -148,20 +161,22 @@ class ModelConfig:
 class FaceCrops:
     """Aligned chips for the faces of one image, in detection order; None where the stage was not asked."""
 
-    descriptor_chips: np.ndarray | None  # uint8 [F, 150, 150, 3] RGB (dlib)
+    # uint8 [F, 150, 150, 3] RGB (dlib), when descriptors were asked for and the face model reads them
+    descriptor_chips: np.ndarray | None
     # Age runs on the subject (the largest face) and on the other faces the age rules need
     # (models.age_policy.age_faces): uint8 [K, V, 224, 224, 3] RGB views of the faces listed in age_faces,
     # subject first, V = AGE_VIEWS_PER_FACE.
     age_views: np.ndarray | None
     qualities: tuple[FaceQuality, ...] = ()  # one per face, always measured (models.quality)
     age_faces: tuple[int, ...] = ()  # indices (detection order) of the faces in age_views
-    # uint8 [F, 112, 112, 3] RGB, ArcFace-aligned (SFace); present exactly when descriptor_chips is
+    # uint8 [F, 112, 112, 3] RGB, ArcFace-aligned (SFace's, or the operator's ArcFace-format model's);
+    # present exactly when descriptors were asked for
     sface_chips: np.ndarray | None = None
 
     @property
     def n_faces(self) -> int:
-        if self.descriptor_chips is not None:
-            return int(self.descriptor_chips.shape[0])
+        if self.sface_chips is not None:
+            return int(self.sface_chips.shape[0])
         return len(self.qualities)
 
 
@@ -169,17 +184,18 @@ class FaceCrops:
 class FaceResults:
     """Model outputs for the faces of one image, in detection order; None where not asked."""
 
-    embeddings: np.ndarray | None  # float32 [F, 128]
+    embeddings: np.ndarray | None  # float32 [F, D] (the face model's vector size)
     ages: list[AgeEstimate] | None  # one per index in age_faces
     age_faces: tuple[int, ...] = ()
 
 
 class FaceCropper:
     """Landmarks once per face for the descriptor chips; age views from the detector boxes of the subject
-    and of the other faces the age rules need."""
+    and of the other faces the age rules need. Without an aligner (a face model that reads only the
+    ArcFace chips) no dlib landmarks or chips are made."""
 
     def __init__(
-        self, aligner: Aligner, quality_thresholds: QualityThresholds = DEFAULT_QUALITY_THRESHOLDS
+        self, aligner: Aligner | None, quality_thresholds: QualityThresholds = DEFAULT_QUALITY_THRESHOLDS
     ) -> None:
         self.aligner = aligner
         self.quality_thresholds = quality_thresholds
@@ -199,9 +215,9 @@ class FaceCropper:
             for face, chip in zip(faces, sface_chips, strict=True)
         )
         # Age crops come from the detector box, so dlib's landmarks are needed only for the descriptor.
-        shapes = self.aligner.shapes(rgb, list(faces)) if faces and embed else []
         descriptor_chips = None
-        if embed:
+        if embed and self.aligner is not None:
+            shapes = self.aligner.shapes(rgb, list(faces)) if faces else []
             descriptor_chips = self._chips(rgb, shapes, DESCRIPTOR_CHIP_SIZE, DESCRIPTOR_CHIP_PADDING)
         age_views = None
         age_faces: tuple[int, ...] = ()
@@ -218,7 +234,7 @@ class FaceCropper:
         )
 
     def _chips(self, rgb: np.ndarray, shapes: Sequence[Any], size: int, padding: float) -> np.ndarray:
-        if not shapes:
+        if not shapes or self.aligner is None:
             return np.zeros((0, size, size, 3), dtype=np.uint8)
         return self.aligner.chips(rgb, list(shapes), size, padding)
 
@@ -258,17 +274,18 @@ class FaceAnalyzer:
 
     def infer(self, crops: Sequence[FaceCrops]) -> list[FaceResults]:
         """Descriptors and ages for the crops of many images: one embed run and one age run in all."""
-        descriptor_sets = [c.descriptor_chips for c in crops if c.descriptor_chips is not None]
-        sface_sets = [c.sface_chips for c in crops if c.descriptor_chips is not None]
+        sface_sets = [c.sface_chips for c in crops if c.sface_chips is not None]
+        descriptor_sets = [c.descriptor_chips for c in crops if c.sface_chips is not None]
         age_sets = [c.age_views for c in crops if c.age_views is not None]
         embeddings: list[np.ndarray] = []
-        if descriptor_sets:
-            if any(chips is None for chips in sface_sets):
-                raise ValueError("descriptor chips without their SFace chips")
-            descriptors = self.embedder.embed(
-                np.concatenate(descriptor_sets), np.concatenate([c for c in sface_sets if c is not None])
-            )
-            embeddings = _chunks(descriptors, [len(chips) for chips in descriptor_sets])
+        if sface_sets:
+            dlib_chips = None
+            if self.embedder.needs_dlib_chips:
+                if any(chips is None for chips in descriptor_sets):
+                    raise ValueError("the face model needs dlib chips, and the cropper made none")
+                dlib_chips = np.concatenate([c for c in descriptor_sets if c is not None])
+            descriptors = self.embedder.embed(dlib_chips, np.concatenate(sface_sets))
+            embeddings = _chunks(descriptors, [len(chips) for chips in sface_sets])
         ages: list[list[AgeEstimate]] = []
         if age_sets:
             estimates = self.age_estimator.estimate(np.concatenate(age_sets))
@@ -277,7 +294,7 @@ class FaceAnalyzer:
         embedding_chunks, age_chunks = iter(embeddings), iter(ages)
         return [
             FaceResults(
-                embeddings=next(embedding_chunks) if c.descriptor_chips is not None else None,
+                embeddings=next(embedding_chunks) if c.sface_chips is not None else None,
                 ages=next(age_chunks) if c.age_views is not None else None,
                 age_faces=c.age_faces,
             )
@@ -364,7 +381,7 @@ def load_runner(stage: Literal["analysis"] | Stage, config: ModelConfig) -> Batc
     own models loaded (each verified by sha256)."""
     if stage == "analysis":
         return AnalysisRunner(load_face_analyzer(config))
-    entry = MODELS.entry(stage)
+    entry = config.models.entry(stage)
     if entry.runner is None:
         raise ValueError(f"the {stage} model runs inside the worker, not behind a runner of its own")
     runner: BatchRunner = entry.runner(config.load(entry))

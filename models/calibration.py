@@ -13,6 +13,9 @@ high", 0.5 one in 100,000, 0.8 one in 10^8; 1.0 is FMR <= 1e-10.
 1:N: a probe compared with a gallery of N other people falsely matches at least one of them with
 probability FPIR = 1 - (1 - FMR)^N. The default minimum score of a tenant holds FPIR <= 1 % for its current
 gallery size: FMR(t) <= 1 - 0.99^(1/N) (min_score_for_gallery).
+
+A recognition model the operator brings (models.face_model.OperatorFaceModel) gets its own table, fitted
+the same way (fit_score_table) on the operator's labelled photos by `facesearch calibrate --write-scores`.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ class FaceScoreCalibration:
     model_version: str
     cosines: tuple[float, ...]  # increasing
     log10_fmr: tuple[float, ...]  # decreasing, same length
-    fusion_weights: tuple[float, float]  # (dlib, SFace)
+    fusion_weights: tuple[float, float] | None = None  # (dlib, SFace): face model v2's; None for one model
 
     def __post_init__(self) -> None:
         c, f = np.asarray(self.cosines), np.asarray(self.log10_fmr)
@@ -48,7 +51,7 @@ class FaceScoreCalibration:
         try:
             data = json.loads(path.read_text())
             knots = data["knots"]
-            weights = data["fusion_weights"]
+            weights = data.get("fusion_weights")
             # FMR is 1 for the least similar pair possible; anchor the table there.
             cosines = [-1.0, *(float(k["cosine"]) for k in knots)]
             log10_fmr = [0.0, *(float(k["log10_fmr"]) for k in knots)]
@@ -56,7 +59,7 @@ class FaceScoreCalibration:
                 model_version=str(data["model_version"]),
                 cosines=tuple(cosines),
                 log10_fmr=tuple(log10_fmr),
-                fusion_weights=(float(weights["dlib"]), float(weights["sface"])),
+                fusion_weights=(float(weights["dlib"]), float(weights["sface"])) if weights else None,
             )
         except (OSError, ValueError, KeyError, TypeError) as error:
             raise ModelFormatError(f"cannot read the score calibration {path}: {error}") from error
@@ -92,3 +95,71 @@ class FaceScoreCalibration:
         n = max(1, int(gallery_size))
         fmr = -math.expm1(math.log1p(-fpir) / n)  # 1 - (1 - fpir)^(1/n), exact for large n
         return float(min(1.0, max(0.0, -math.log10(fmr) / SCORE_DECADES)))
+
+
+# ---- fitting a table ---------------------------------------------------------------------------------------
+
+# The FMRs the table has knots at, where enough impostor pairs measure them (MIN_PAIRS_ABOVE above the knot).
+FMR_KNOTS = (0.5, 0.3, 0.1, 0.03, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5, 1e-5)
+MIN_PAIRS_ABOVE = 10
+TAIL_DECADES = 2.0  # the tail's slope is fitted over the last two measured decades of FMR
+TAIL_KNOTS = 10
+FMR_FLOOR_LOG10 = -SCORE_DECADES  # score 1.0
+
+
+def threshold_at_rate(negatives: np.ndarray, rate: float) -> float:
+    """Smallest t with share(negatives >= t) <= rate."""
+    ordered = np.sort(np.asarray(negatives, dtype=np.float64))[::-1]
+    allowed = math.floor(rate * len(ordered))
+    if allowed >= len(ordered):
+        return -np.inf
+    return float(np.nextafter(ordered[allowed], np.inf))
+
+
+def fit_score_table(impostor_cosines: np.ndarray, model_version: str) -> dict[str, object]:
+    """The score table of a model from the cosines of pairs of photos of different people: knots at the
+    FMRs the pairs measure (FMR_KNOTS with at least MIN_PAIRS_ABOVE pairs above), then an exponential tail
+    (log10 FMR linear in the cosine) down to FMR 1e-10. The tail's slope is the shallower of the one fitted
+    over the last two measured decades and their end-to-end slope: the measured bulk steepens with the
+    cosine (roughly Gaussian), so continuing more shallowly overstates the FMR of rarer pairs (the
+    conservative side). Returns the JSON document FaceScoreCalibration.load reads."""
+    impostor = np.asarray(impostor_cosines, dtype=np.float64)
+    count = len(impostor)
+    measurable = [fmr for fmr in FMR_KNOTS if fmr * count >= MIN_PAIRS_ABOVE]
+    if len(measurable) < 2:
+        raise ValueError(
+            f"{count} pairs of photos of different people are too few for a score table: it needs at least "
+            f"{math.ceil(MIN_PAIRS_ABOVE / FMR_KNOTS[1])} (more photos of more people)"
+        )
+    knots: list[tuple[float, float]] = []
+    for fmr in measurable:
+        cosine = threshold_at_rate(impostor, fmr)
+        if not knots or cosine > knots[-1][0]:  # ties (few pairs) would break the strict monotony
+            knots.append((cosine, math.log10(fmr)))
+    tail_low_fmr = measurable[-1]
+    tail_high_fmr = min(FMR_KNOTS[0], tail_low_fmr * 10**TAIL_DECADES)
+    low, high = threshold_at_rate(impostor, tail_high_fmr), threshold_at_rate(impostor, tail_low_fmr)
+    ordered = np.sort(impostor)
+    grid = np.linspace(low, high, 25)
+    measured = 1.0 - np.searchsorted(ordered, grid, side="left") / count
+    keep = measured > 0
+    fitted, _ = np.polyfit(grid[keep], np.log10(measured[keep]), 1)
+    end_to_end = math.log10(tail_low_fmr / tail_high_fmr) / (high - low)
+    slope = max(float(fitted), end_to_end)
+    anchor_cos, anchor_log = knots[-1]
+    tail_end = anchor_cos + (FMR_FLOOR_LOG10 - anchor_log) / slope
+    step = (tail_end - anchor_cos) / TAIL_KNOTS
+    for k in range(1, TAIL_KNOTS + 1):
+        cosine = anchor_cos + k * step
+        knots.append((float(cosine), float(anchor_log + slope * (cosine - anchor_cos))))
+    return {
+        "model_version": model_version,
+        "impostor_pairs": count,
+        "tail": {
+            "fitted_on_fmr": [tail_low_fmr, tail_high_fmr],
+            "log10_fmr_per_cosine": slope,
+            "fitted_slope": float(fitted),
+            "from_cosine": anchor_cos,
+        },
+        "knots": [{"cosine": round(c, 6), "log10_fmr": round(v, 4)} for c, v in knots],
+    }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -118,21 +119,52 @@ def fuse_vectors(dlib_unit: np.ndarray, sface_unit: np.ndarray, weights: tuple[f
     )
 
 
+class FaceDescriptorModel(Protocol):
+    """The face model the service serves (models.registry's embedder stage): face model v2 (FusedEmbedder)
+    or a recognition model the operator brings (models.arcface.ArcFaceEmbedder). Its vectors are unit
+    vectors compared by inner product, stored under its version."""
+
+    @property
+    def version(self) -> str: ...
+
+    @property
+    def dim(self) -> int: ...
+
+    @property
+    def needs_dlib_chips(self) -> bool:
+        """Whether embed() reads dlib's 150 px chips (the analysis cuts them only then)."""
+
+    def embed(self, dlib_chips: np.ndarray | None, arcface_chips: np.ndarray) -> np.ndarray:
+        """Unit vectors [N, dim] for the faces of [N,150,150,3] dlib chips (None when not needed) and
+        [N,112,112,3] ArcFace-aligned chips, all uint8 RGB."""
+
+    def check(self) -> None:
+        """One face through the model (a health check); raises what a broken session raises."""
+
+
 class FusedEmbedder:
     """Face model v2: the dlib descriptor and SFace embedding of each face, fused into one 256-d unit
     vector (fuse_vectors) with the weights stored in the score calibration."""
+
+    version = MODEL_VERSION
+    dim = FUSED_DIM
+    needs_dlib_chips = True
 
     def __init__(self, dlib: FaceEmbedder, sface: SFaceEmbedder, calibration: FaceScoreCalibration) -> None:
         if calibration.model_version != MODEL_VERSION:
             raise ModelFormatError(
                 f"score calibration is for {calibration.model_version!r}, the embedder is {MODEL_VERSION!r}"
             )
+        if calibration.fusion_weights is None:
+            raise ModelFormatError(f"the score calibration of {MODEL_VERSION!r} has no fusion weights")
         self.dlib = dlib
         self.sface = sface
         self.weights = calibration.fusion_weights
 
-    def embed(self, dlib_chips: np.ndarray, sface_chips: np.ndarray) -> np.ndarray:
+    def embed(self, dlib_chips: np.ndarray | None, sface_chips: np.ndarray) -> np.ndarray:
         """[N,150,150,3] dlib chips and [N,112,112,3] ArcFace chips of the same faces -> float32 [N,256]."""
+        if dlib_chips is None:
+            raise ValueError("face model v2 needs the dlib chips of the faces")
         if len(dlib_chips) != len(sface_chips):
             raise ValueError(f"{len(dlib_chips)} dlib chips but {len(sface_chips)} SFace chips")
         return fuse_vectors(

@@ -20,6 +20,7 @@ stage's model is its module, its weight spec in models.weights and its entry her
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -28,9 +29,11 @@ from typing import Any, Generic, Literal, Protocol, TypeAlias, TypeVar, cast
 from models import weights
 from models.age_v2 import AgeCalibration, FaceresAgeEstimator
 from models.align import FaceAligner
+from models.arcface import ArcFaceEmbedder
 from models.calibration import FaceScoreCalibration
 from models.detector import DetectorOptions, FaceDetector
-from models.embedder import FaceEmbedder, FusedEmbedder, SFaceEmbedder
+from models.embedder import FaceDescriptorModel, FaceEmbedder, FusedEmbedder, SFaceEmbedder
+from models.face_model import OperatorFaceModel
 from models.runners import AgeRunner, BatchRunner, DetectorRunner, EmbedderRunner
 from models.sessions import SessionOptions
 
@@ -45,7 +48,8 @@ Rows = Literal["images", "faces"]
 # The class serving each stage. models.analyzer (FaceAnalyzer, ModelConfig's loaders) is typed by these names.
 Detector: TypeAlias = FaceDetector
 Aligner: TypeAlias = FaceAligner
-Embedder: TypeAlias = FusedEmbedder
+# The face model is the shipped face model v2 or a recognition model the operator brings (with_face_model).
+Embedder: TypeAlias = FaceDescriptorModel
 AgeEstimator: TypeAlias = FaceresAgeEstimator
 
 
@@ -65,8 +69,9 @@ class ModelEntry(Generic[M]):
 
     name: str  # as logs and docs name it
     # Names in models.weights, in the order `load` takes them: the converted file where CONVERTED has one
-    # (built by `facesearch models fetch`), else the file as its package ships it (WEIGHTS).
-    weights: tuple[str, ...]
+    # (built by `facesearch models fetch`), else the file as its package ships it (WEIGHTS); or a file the
+    # operator brings, with the sha256 the configuration records for it.
+    weights: tuple[str | weights.OperatorWeight, ...]
     # Builds the model from its verified files and the session options sized for it.
     load: Callable[[Sequence[Path], SessionOptions, LoadSettings], M]
     workloads: frozenset[Workload]  # the asks that run it
@@ -80,10 +85,13 @@ class ModelEntry(Generic[M]):
 
     def files(self, models_dir: Path | None = None) -> list[Path]:
         """Its weight files, each verified by sha256 (WeightFileError names the file and the fix)."""
-        return [
-            weights.converted(name, models_dir) if name in weights.CONVERTED else weights.resolve(name)
-            for name in self.weights
-        ]
+        return [_verified(name, models_dir) for name in self.weights]
+
+
+def _verified(name: str | weights.OperatorWeight, models_dir: Path | None) -> Path:
+    if isinstance(name, weights.OperatorWeight):
+        return weights.verify_operator(name)
+    return weights.converted(name, models_dir) if name in weights.CONVERTED else weights.resolve(name)
 
 
 @dataclass(frozen=True)
@@ -107,6 +115,31 @@ class Models:
     def deployments(self) -> dict[str, Stage]:
         """The model deployments of the split topology, by name, and the stage each serves."""
         return {entry.deployment: stage for stage, entry in self.entries().items() if entry.deployment}
+
+    def with_face_model(self, model: OperatorFaceModel | None) -> Models:
+        """These models with the operator's recognition model as the face model (None: these unchanged). It
+        serves the embedder stage under the same deployment, on the ArcFace chips every face gets, so
+        dlib's landmarks are then asked by nothing (no workload runs them)."""
+        if model is None:
+            return self
+        return dataclasses.replace(
+            self,
+            landmarks=dataclasses.replace(self.landmarks, workloads=frozenset()),
+            embedder=operator_embedder(model, self.embedder),
+        )
+
+
+def operator_embedder(model: OperatorFaceModel, shipped: ModelEntry[Embedder]) -> ModelEntry[Embedder]:
+    """The registry entry of an operator's ArcFace-format model, in the shipped face model's place."""
+    weight = weights.OperatorWeight(
+        model.path, model.sha256, "FACESEARCH_FACE_MODEL_PATH / FACESEARCH_FACE_MODEL_SHA256"
+    )
+    return dataclasses.replace(
+        shipped,
+        name=f"operator ArcFace model {model.path.name} ({model.version})",
+        weights=(weight,),
+        load=lambda files, session, settings: ArcFaceEmbedder(files[0], session, model),
+    )
 
 
 MODELS = Models(

@@ -24,7 +24,6 @@ import numpy as np
 from models.chips import CHIP_SIZE as SFACE_CHIP_SIZE
 from models.detector import LetterboxedImage
 from models.embedder import CHIP_SIZE as DLIB_CHIP_SIZE
-from models.embedder import FUSED_DIM
 from models.types import AgeEstimate, AnalyzedFace, DetectedFace
 
 
@@ -38,7 +37,15 @@ class DetectsPrepared(Checks, Protocol):
 
 
 class EmbedsChips(Checks, Protocol):
-    def embed(self, dlib_chips: np.ndarray, sface_chips: np.ndarray) -> np.ndarray: ...
+    """models.embedder.FaceDescriptorModel, as the embedder runner uses it."""
+
+    @property
+    def dim(self) -> int: ...
+
+    @property
+    def needs_dlib_chips(self) -> bool: ...
+
+    def embed(self, dlib_chips: np.ndarray | None, arcface_chips: np.ndarray) -> np.ndarray: ...
 
 
 class EstimatesAge(Checks, Protocol):
@@ -70,9 +77,10 @@ class AnalysisRequest:
 
 @dataclass(frozen=True)
 class DescriptorChips:
-    """The chips face model v2 needs for the faces of one image: dlib's 150 px and SFace's 112 px."""
+    """The chips the face model needs for the faces of one image: the 112 px ArcFace-aligned ones, and
+    dlib's 150 px ones for face model v2 (None for a model that reads only the former)."""
 
-    dlib: np.ndarray  # uint8 [F, 150, 150, 3]
+    dlib: np.ndarray | None  # uint8 [F, 150, 150, 3]
     sface: np.ndarray  # uint8 [F, 112, 112, 3]
 
 
@@ -103,15 +111,19 @@ _SFACE_SHAPE = (SFACE_CHIP_SIZE, SFACE_CHIP_SIZE, 3)
 
 def pair(chips: DescriptorChips) -> np.ndarray:
     """[F, 150*150*3 + 112*112*3] uint8: each face's two chips side by side, flattened, so runs of faces
-    split both chip kinds together."""
-    count = len(chips.dlib)
-    if len(chips.sface) != count:
-        raise ValueError(f"{count} dlib chips but {len(chips.sface)} SFace chips")
+    split both chip kinds together ([F, 112*112*3] without dlib chips)."""
+    count = len(chips.sface)
+    if chips.dlib is None:
+        return chips.sface.reshape(count, -1)
+    if len(chips.dlib) != count:
+        raise ValueError(f"{len(chips.dlib)} dlib chips but {count} SFace chips")
     return np.concatenate([chips.dlib.reshape(count, -1), chips.sface.reshape(count, -1)], axis=1)
 
 
-def unpair(paired: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def unpair(paired: np.ndarray, with_dlib: bool = True) -> tuple[np.ndarray | None, np.ndarray]:
     count = len(paired)
+    if not with_dlib:
+        return None, np.ascontiguousarray(paired).reshape(count, *_SFACE_SHAPE)
     dlib = np.ascontiguousarray(paired[:, :_DLIB_BYTES]).reshape(count, *_DLIB_SHAPE)
     sface = np.ascontiguousarray(paired[:, _DLIB_BYTES:]).reshape(count, *_SFACE_SHAPE)
     return dlib, sface
@@ -159,17 +171,18 @@ class DetectorRunner:
 
 
 class EmbedderRunner:
-    """Face vectors (face model v2: dlib ResNet + SFace, fused) for aligned chips, in runs of faces."""
+    """Face vectors (face model v2: dlib ResNet + SFace, fused; or the operator's ArcFace-format model) for
+    aligned chips, in runs of faces."""
 
     def __init__(self, embedder: EmbedsChips) -> None:
         self.embedder = embedder
 
     def run(self, items: Sequence[DescriptorChips], max_faces_per_run: int) -> list[np.ndarray]:
         rows = in_runs([pair(chips) for chips in items], max_faces_per_run, self._embed_paired)
-        return [np.asarray(part, dtype=np.float32).reshape(-1, FUSED_DIM) for part in rows]
+        return [np.asarray(part, dtype=np.float32).reshape(-1, self.embedder.dim) for part in rows]
 
     def _embed_paired(self, paired: np.ndarray) -> np.ndarray:
-        return self.embedder.embed(*unpair(paired))
+        return self.embedder.embed(*unpair(paired, self.embedder.needs_dlib_chips))
 
     def check(self) -> None:
         self.embedder.check()

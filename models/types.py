@@ -28,12 +28,13 @@ class DetectedFace:
 
 @dataclass(frozen=True)
 class AgeEstimate:
+    """What the age model says of one face. The under_18 / under_21 flags the service reports are decided
+    from it, and from the photo's other faces and quality, by models.age_policy (AgeDecision)."""
+
     age: int  # point estimate in years (rounded expectation)
     expected_age: float
     p_under_18: float  # from the predicted distribution
     p_under_21: float
-    under_18: int  # interface value: 0, 50 or 100
-    under_21: int
 
 
 @dataclass(frozen=True)

@@ -215,6 +215,30 @@ CONVERTED: dict[str, ConvertedSpec] = {
 FETCH_COMMAND = "facesearch models fetch"
 
 
+@dataclass(frozen=True)
+class OperatorWeight:
+    """A model file the operator brings (models.face_model.OperatorFaceModel): its path and the sha256 the
+    configuration records for it, checked like every shipped file before a session is built."""
+
+    path: Path
+    sha256: str
+    setting: str  # the settings that declare it, for the error message
+
+
+def verify_operator(weight: OperatorWeight) -> Path:
+    if not weight.path.is_file():
+        raise WeightFileError(f"the face model {weight.path} ({weight.setting}) is missing or not a file")
+    actual = sha256_of(weight.path)
+    if actual != weight.sha256:
+        raise WeightFileError(
+            f"the face model {weight.path} has sha256 {actual}, but the configuration records "
+            f"{weight.sha256} ({weight.setting}): the file is another model, or corrupt; if you replaced "
+            "it on purpose, record its sha256 (`facesearch models inspect PATH` prints it), which makes it "
+            "a new gallery version (then `facesearch reindex`)"
+        )
+    return weight.path
+
+
 def default_models_dir() -> Path:
     configured = os.environ.get("FACESEARCH_MODELS_DIR")
     return Path(configured) if configured else Path.home() / ".cache" / "facesearch" / "models"

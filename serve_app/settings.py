@@ -246,7 +246,8 @@ class SearchSettings(_Group):
     match_min_score: MinScore | None = Field(
         None,
         description="minimum match score; unset: calibrated per tenant for its gallery size (FPIR ≤ 1 %); "
-        "a tenant's `--min-score` comes first",
+        "a tenant's `--min-score` comes first, then the service-wide one set at run time (`facesearch "
+        "calibrate --apply default`, `facesearch clients update default`; docs/models.md)",
     )
 
 
@@ -265,6 +266,40 @@ class ModelSettings(_Group):
         "interval's calibrated error rate; the shipped calibration (models/age_interval.json, 343 people "
         "under 18) supports rates from 0.003 (docs/age.md)",
     )
+    # A recognition model the operator brings (models.face_model.OperatorFaceModel). Every process reads it
+    # here: the ingress and the stores name the gallery's collection after its version, the worker loads it.
+    face_model_path: Path | None = Field(
+        None,
+        description="an ArcFace-format ONNX recognition model to serve instead of face model v2 (absolute "
+        "path; 112x112 RGB input normalised as (x − 127.5) / 127.5, embedding output); its vectors are a "
+        "gallery version of their own (`facesearch reindex`); unset: face model v2 (docs/models.md)",
+    )
+    face_model_sha256: str | None = Field(
+        None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="the sha256 of `FACESEARCH_FACE_MODEL_PATH` (`facesearch models inspect PATH` prints "
+        "it); a file with another hash stops the worker's start",
+    )
+    face_model_dim: int = Field(
+        512, ge=1, description="the embedding size of `FACESEARCH_FACE_MODEL_PATH` (checked when it loads)"
+    )
+    face_model_scores: Path | None = Field(
+        None,
+        description="the score table of `FACESEARCH_FACE_MODEL_PATH` (absolute path), written by "
+        "`facesearch calibrate --write-scores`; required to serve it",
+    )
+
+    @model_validator(mode="after")
+    def _face_model_declared_whole(self) -> ModelSettings:
+        if (self.face_model_path is None) != (self.face_model_sha256 is None):
+            raise ValueError("FACESEARCH_FACE_MODEL_PATH and FACESEARCH_FACE_MODEL_SHA256 go together")
+        if self.face_model_scores is not None and self.face_model_path is None:
+            raise ValueError("FACESEARCH_FACE_MODEL_SCORES is the table of FACESEARCH_FACE_MODEL_PATH, unset")
+        for path in (self.face_model_path, self.face_model_scores):
+            # Each process (Ray replicas included) would resolve a relative path from its own directory.
+            if path is not None and not path.is_absolute():
+                raise ValueError(f"the face model's files must be given by absolute paths, not {path}")
+        return self
 
 
 class WorkerSettings(_Group):
@@ -304,6 +339,13 @@ class WorkerSettings(_Group):
         "loses it after this and another resumes its pass",
     )
     metrics_every_s: float = Field(5.0, gt=0, description="how often each worker exports its queue gauges")
+    score_metrics_tenants: int = Field(
+        100,
+        ge=0,
+        description="tenants each worker replica labels its match-score metrics with, the first it serves; "
+        'later ones share the label `tenant="_other"` (0: every tenant under `_all`), so the series stay '
+        "bounded however many tenants there are (docs/operations.md)",
+    )
 
 
 class WebhookSettings(_Group):
@@ -315,11 +357,18 @@ class WebhookSettings(_Group):
         "a loopback, private, link-local or otherwise internal address, and over plain http (every other "
         "host must resolve to public addresses only and use https; docs/security.md)",
     )
-    connect_timeout_s: float = Field(5.0, gt=0, description="a delivery's TCP (and TLS) connect timeout")
-    read_timeout_s: float = Field(10.0, gt=0, description="a delivery's wait for the receiver's status line")
+    connect_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="a delivery's timeout for resolving the host's name, and for its TCP (and TLS) connect",
+    )
+    read_timeout_s: float = Field(10.0, gt=0, description="a delivery's wait for the receiver's answer")
     total_timeout_s: float = Field(15.0, gt=0, description="bound on one delivery attempt, all of it")
     max_response_bytes: int = Field(
-        16 * 1024, ge=256, description="the most of a receiver's answer read (its status line must fit)"
+        16 * 1024,
+        ge=256,
+        description="the longest status line and headers of a receiver's answer accepted (the body is never "
+        "read); a longer head fails the attempt",
     )
     retry_base_s: float = Field(
         5.0, gt=0, description="bound of the first retry's delay; each retry doubles it (full jitter)"
@@ -388,6 +437,12 @@ class RetentionSettings(_Group):
         description="how long an `Idempotency-Key` is remembered after its create: a retry within it "
         "answers the first request's reference_id, a key sent again later creates a new transaction. "
         "Bounded on purpose: every keyed create leaves about 270 bytes in Redis for this long",
+    )
+    audit_retention_s: int = Field(
+        365 * 24 * 3600,
+        ge=0,
+        description="entries of a tenant's gallery audit trail (deletions and erasures) are kept this long; "
+        "0 keeps them for ever, which lets the trail grow with every deletion request",
     )
     orphan_upload_grace_s: int = Field(
         3600,

@@ -21,7 +21,8 @@ _DESCRIPTION = (
     "`Client-Secret: <client secret>` header. Every error uses the envelope "
     '{"status": false, "message": ..., "errors": {...}}. A result that is not final yet answers 202 with '
     "`state` and a Retry-After header; send `Prefer: wait=<seconds>` to /result to have it wait for the "
-    "final state instead (long polling). The probe of a transaction is the largest face in the image."
+    "final state instead (long polling), or to a create to have the create's own answer carry the result "
+    "when it is final in time. The probe of a transaction is the largest face in the image."
 )
 # Room for the multipart framing and the other fields around the largest accepted image.
 _BODY_OVERHEAD_BYTES = 64 * 1024

@@ -28,6 +28,7 @@ STATUS_BY_ERROR: tuple[tuple[type[domain.ServiceError], int], ...] = (
     (domain.RateLimited, 429),
     (domain.NotFound, 404),
     (domain.ProofExpired, 410),
+    (domain.StorageFull, 507),  # before its base class, BackendUnavailable
     (domain.BackendUnavailable, 503),
     (domain.ModelUnavailable, 503),
 )
@@ -48,12 +49,10 @@ async def service_error_handler(request: Request, exc: Exception) -> JSONRespons
     assert isinstance(exc, domain.ServiceError)
     status = status_for(exc)
     headers: dict[str, str] = {}
-    if isinstance(exc, domain.RateLimited):
+    if exc.retry_after_s is not None:
         headers["Retry-After"] = str(exc.retry_after_s)
-    elif isinstance(exc, domain.AuthenticationFailed):
+    if isinstance(exc, domain.AuthenticationFailed):
         headers["WWW-Authenticate"] = 'Bearer realm="facesearch"'
-    elif isinstance(exc, domain.BackendUnavailable):
-        headers["Retry-After"] = "5"
     public = type(exc).public_message
     if public is not None or status >= 500:
         # The backend's own words go to the log only, with what identifies the request.

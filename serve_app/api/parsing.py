@@ -104,7 +104,8 @@ def _is_utf8(value: str) -> bool:
 
 
 def preferred_wait_s(prefer_headers: Sequence[str], cap_s: float) -> float:
-    """Seconds a client asks /result to wait for the final state, from RFC 7240 `Prefer: wait=N`.
+    """Seconds a client asks /result, or a create, to wait for the final state, from RFC 7240
+    `Prefer: wait=N`.
 
     The RFC has servers ignore preferences they do not understand, so a malformed or absent one means no
     wait rather than a 4xx; the wait is capped by the server's own bound.

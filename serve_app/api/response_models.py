@@ -184,8 +184,10 @@ class FaceSearchData(BaseModel):
 
 _RETRY_AFTER = {"description": "Seconds before polling again", "schema": {"type": "integer"}}
 _RETRY_LATER = {"description": "Seconds before trying again", "schema": {"type": "integer"}}
+PREFERENCE_APPLIED = "Preference-Applied"
 _PREFERENCE_APPLIED = {
-    "description": "`wait=<seconds>` when the request's `Prefer: wait` was honoured (long polling)",
+    "description": "`wait=<seconds>` when the request's `Prefer: wait` was honoured: the server waited up "
+    "to that long for the final state",
     "schema": {"type": "string"},
 }
 _ERROR_DESCRIPTIONS: dict[int, str] = {
@@ -198,6 +200,7 @@ _ERROR_DESCRIPTIONS: dict[int, str] = {
     429: "Rate limited; see Retry-After",
     503: "Redis, Milvus or a model is unavailable; retry later. The message is fixed: what the backend said "
     "goes to the service log only",
+    507: "The service's storage is full; nothing was created: retry after Retry-After",
 }
 Responses = dict[int | str, dict[str, Any]]
 
@@ -212,23 +215,19 @@ def error_responses(*codes: int, **descriptions: str) -> Responses:
             "model": ErrorEnvelope,
             "description": descriptions.get(f"s{code}", _ERROR_DESCRIPTIONS.get(code, "")),
         }
-        if code == 429:
+        if code in (429, 503, 507):
             entry["headers"] = {"Retry-After": _RETRY_LATER}
         table[code] = entry
     return table
 
 
-def pending_response(long_polling: bool) -> Responses:
+def pending_response(
+    long_polling: bool, description: str = "Not final yet: poll /result again after Retry-After seconds"
+) -> Responses:
     headers = {"Retry-After": _RETRY_AFTER}
     if long_polling:
-        headers["Preference-Applied"] = _PREFERENCE_APPLIED
-    return {
-        202: {
-            "model": Envelope[PendingData],
-            "description": "Not final yet: poll /result again after Retry-After seconds",
-            "headers": headers,
-        }
-    }
+        headers[PREFERENCE_APPLIED] = _PREFERENCE_APPLIED
+    return {202: {"model": Envelope[PendingData], "description": description, "headers": headers}}
 
 
-PREFERENCE_APPLIED_HEADER = {"Preference-Applied": _PREFERENCE_APPLIED}
+PREFERENCE_APPLIED_HEADER = {PREFERENCE_APPLIED: _PREFERENCE_APPLIED}

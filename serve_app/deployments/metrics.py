@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from ray.util import metrics
 
+from serve_app.domain.outcomes import FaceSearchOutcome
+from serve_app.pipelines.score_watch import best_score
+
 _LATENCY_BOUNDARIES = [0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
 _SIZE_BOUNDARIES = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0]
 
@@ -57,6 +60,54 @@ class WorkerMetrics:
 
     def observe_transaction(self, seconds: float) -> None:
         self._latency.observe(seconds)
+
+
+# Match scores are -log10(FMR) / 10 (models.calibration): a bucket per decade of the false-match rate.
+_SCORE_BOUNDARIES = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
+OTHER_TENANTS = "_other"
+ALL_TENANTS = "_all"
+
+
+class ScoreMetrics:
+    """What each tenant's face searches score, to watch for a shift (a camera changed, a new population):
+    searches by result (match: at least one match reached the tenant's threshold; no_match; no_face) and
+    the best match's score when there was one. Labelled by tenant, for the first `max_tenants` tenants this
+    replica serves; later ones share `tenant="_other"` (0: every search under `_all`), so the number of
+    series stays bounded however many tenants there are (docs/operations.md)."""
+
+    def __init__(self, max_tenants: int) -> None:
+        self._max_tenants = max_tenants
+        self._labelled: set[str] = set()
+        self._searches = metrics.Counter(
+            "facesearch_face_searches",
+            "Face searches completed, by tenant and result: match (a match reached the threshold), "
+            "no_match, no_face (no face found in the image)",
+            tag_keys=("tenant", "result"),
+        )
+        self._best_score = metrics.Histogram(
+            "facesearch_best_match_score",
+            "Score of the best match of each face search that returned one (-log10(FMR) / 10)",
+            boundaries=_SCORE_BOUNDARIES,
+            tag_keys=("tenant",),
+        )
+
+    def tenant_label(self, tenant: str) -> str:
+        if self._max_tenants == 0:
+            return ALL_TENANTS
+        if tenant in self._labelled:
+            return tenant
+        if len(self._labelled) < self._max_tenants:
+            self._labelled.add(tenant)
+            return tenant
+        return OTHER_TENANTS
+
+    def observe_search(self, tenant: str, outcome: FaceSearchOutcome) -> None:
+        label = self.tenant_label(tenant)
+        best = best_score(outcome)
+        result = "no_face" if not outcome.is_face_found else "no_match" if best is None else "match"
+        self._searches.inc(1, tags={"tenant": label, "result": result})
+        if best is not None:
+            self._best_score.observe(best, tags={"tenant": label})
 
 
 class ReconcileMetrics:

@@ -14,13 +14,15 @@ from typing import Any, Literal, cast
 
 from ray import serve
 
-from models.analyzer import ModelConfig, load_runner
+from models.analyzer import load_runner
 from models.registry import Stage
 from models.runners import BatchRunner
 from serve_app.deployments.batch_merging import BatchMerger
 from serve_app.deployments.lanes import InferenceLane
 from serve_app.deployments.metrics import ModelMetrics
 from serve_app.deployments.user_config import MODEL_DEPLOYMENTS, BatchConfig
+from serve_app.settings import Settings
+from serve_app.wiring.models import model_config as with_face_model
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +45,10 @@ class RunnerBatcher:
         model_config: dict[str, Any] | None = None,
         concurrent_batches: int = 1,
     ) -> None:
-        self._runner: BatchRunner = load_runner(stage, ModelConfig.from_dict(model_config or {}))
+        # The face model comes from the replica's own settings (FACESEARCH_FACE_MODEL_*), as the stores'
+        # gallery version does.
+        config = with_face_model(model_config, Settings())
+        self._runner: BatchRunner = load_runner(stage, config)
         self._lane = InferenceLane(concurrent_batches)
         self._metrics = ModelMetrics(stage)
         self._batch = BatchConfig()

@@ -13,7 +13,7 @@ from ray.serve.exceptions import RayServeException
 
 from serve_app.deployments.analysis import AnalysisRecipe
 from serve_app.deployments.autoscaling import BACKLOG_METRIC
-from serve_app.deployments.metrics import ReconcileMetrics, WebhookMetrics, WorkerMetrics
+from serve_app.deployments.metrics import ReconcileMetrics, ScoreMetrics, WebhookMetrics, WorkerMetrics
 from serve_app.deployments.user_config import WorkerConfig
 from serve_app.domain.errors import BackendUnavailable
 from serve_app.pipelines.result_archive import ResultArchiver
@@ -53,10 +53,16 @@ class TransactionWorker:
         self._settings = settings
         self._consumer = consumer_name()
         self._metrics = WorkerMetrics()
+        self._score_metrics = ScoreMetrics(settings.worker.score_metrics_tenants)
         # One Redis pool and one Milvus client for the whole replica: worker, reconciliation and archive.
         self._stores = WorkerStores.build(settings)
         self._worker, _ = build_worker(
-            settings, self._analysis, self._consumer, self._metrics.observe_transaction, self._stores
+            settings,
+            self._analysis,
+            self._consumer,
+            self._metrics.observe_transaction,
+            self._stores,
+            on_search=self._score_metrics.observe_search,
         )
         self._reconciler = build_reconciler(settings, self._consumer, self._stores)
         self._reconcile_metrics = ReconcileMetrics()

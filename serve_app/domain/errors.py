@@ -13,6 +13,8 @@ class ServiceError(Exception):
     """
 
     public_message: ClassVar[str | None] = None
+    # Seconds a client should wait before trying again (the Retry-After header); None: no header.
+    retry_after_s: int | None = None
 
     def __init__(self, message: str, details: dict[str, str] | None = None) -> None:
         super().__init__(message)
@@ -53,9 +55,13 @@ class ProofExpired(ServiceError):
 
 
 class BackendUnavailable(ServiceError):
-    """Redis or Milvus cannot be reached (503)."""
+    """Redis or Milvus cannot be reached, or refuses writes for now (Redis at its maxmemory, or unable to
+    write its own files) (503). A worker treats it as an outage, not as the transaction's fault: the
+    transaction goes back on the queue with a fresh delivery count (BackendRejected and LockUnavailable
+    below count as failed attempts instead)."""
 
     public_message = "The service is temporarily unavailable; retry after the indicated delay."
+    retry_after_s = 5
 
 
 class BackendRejected(BackendUnavailable):
@@ -80,7 +86,19 @@ class NotReplicated(BackendUnavailable):
         self.reference_id = reference_id
 
 
+class StorageFull(BackendUnavailable):
+    """The blob store has no space (ENOSPC) or quota (EDQUOT) left for a write (507). An upload refused so
+    created nothing (the image is written before its transaction exists), so a retry is always safe; the
+    operator frees space, or the orphan sweep does. To a worker it is an outage like any other."""
+
+    public_message = (
+        "The service has no storage space left for this request; retry after the indicated delay."
+    )
+    retry_after_s = 30
+
+
 class ModelUnavailable(ServiceError):
     """A model deployment failed to answer (503)."""
 
     public_message = "Image analysis is temporarily unavailable; retry after the indicated delay."
+    retry_after_s = 5

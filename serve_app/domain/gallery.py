@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-# The page size of the listings (faces and audit trail): the one statement of the rule, read by the
-# pipeline that enforces it, the API whose schema states it, and the Python client.
+# The page size of the listings (faces, audit trail, a webhook's delivery log): the one statement of the
+# rule, read by the pipeline that enforces it, the API whose schema states it, the CLI and the Python
+# client (which keeps its own copy, held equal by tests/unit/test_client_contract.py).
 DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 200
 

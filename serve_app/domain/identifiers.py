@@ -12,8 +12,10 @@ import uuid
 
 _REFERENCE_ID = re.compile(r"[0-9a-f]{32}")
 _CLIENT_ID = re.compile(r"cl_[0-9a-f]{24}")
-# An enrolled face is named after the transaction that enrolled it: "f" + its reference_id.
-_FACE_ID = re.compile(r"f[0-9a-f]{32}")
+# An enrolled face is named after the transaction that enrolled it: "f" + its reference_id (the rule:
+# enrolled_face_id and reference_id_of_face, written here once).
+_FACE_ID_PREFIX = "f"
+_FACE_ID = re.compile(f"{_FACE_ID_PREFIX}{_REFERENCE_ID.pattern}")
 # A proof token is a compact JWS (three base64url parts); the length bound keeps a hostile URL cheap.
 _PROOF_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,1024}\.[A-Za-z0-9_-]{1,1024}\.[A-Za-z0-9_-]{1,256}")
 
@@ -48,6 +50,16 @@ def is_client_id(value: object) -> bool:
 
 def is_face_id(value: object) -> bool:
     return isinstance(value, str) and _FACE_ID.fullmatch(value) is not None
+
+
+def enrolled_face_id(reference_id: str) -> str:
+    """The face a transaction enrols: retried attempts of it write the same face."""
+    return f"{_FACE_ID_PREFIX}{reference_id}"
+
+
+def reference_id_of_face(face_id: str) -> str | None:
+    """The reference id of the transaction that enrolled the face; None for a value that is no face id."""
+    return face_id.removeprefix(_FACE_ID_PREFIX) if is_face_id(face_id) else None
 
 
 def is_proof_token(value: object) -> bool:

@@ -8,10 +8,20 @@ from enum import StrEnum
 from serve_app.domain.identifiers import new_reference_id as new_reference_id  # re-exported
 from serve_app.domain.outcomes import Outcome
 
+_UPLOADS = "uploads"
+
 
 def upload_key(tenant_id: str, reference_id: str) -> str:
     """The blob key of a transaction's upload (a stored transaction leaves it out when it is this one)."""
-    return f"uploads/{tenant_id}/{reference_id}"
+    return f"{_UPLOADS}/{tenant_id}/{reference_id}"
+
+
+def upload_owner(key: str) -> tuple[str, str] | None:
+    """(tenant id, reference id) of the transaction whose upload_key this is; None for another key."""
+    parts = key.split("/")
+    if len(parts) != 3 or parts[0] != _UPLOADS or not parts[1] or not parts[2]:
+        return None
+    return parts[1], parts[2]
 
 
 class TransactionKind(StrEnum):

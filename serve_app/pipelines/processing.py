@@ -23,6 +23,7 @@ from models.calibration import DEFAULT_FPIR, FaceScoreCalibration
 from models.types import AnalyzedFace, FaceQuality, largest_face
 from serve_app.domain.errors import ServiceError
 from serve_app.domain.faces import FaceRecord
+from serve_app.domain.identifiers import enrolled_face_id as enrolled_face_id  # re-exported: the rule's home
 from serve_app.domain.outcomes import (
     AgeDecisionReport,
     AgeEstimationOutcome,
@@ -57,7 +58,8 @@ class ProcessingPolicy:
     model_version: str
     max_matches: int  # default; a tenant may override it (ClientInfo.max_matches)
     # None: the minimum score follows the tenant's gallery size (FPIR <= fpir); a tenant's own
-    # ClientInfo.min_score comes first, then this service-wide value, then the calibrated default.
+    # ClientInfo.min_score comes first, then the service-wide one set at run time (ClientStore.
+    # default_min_score), then this setting, then the calibrated default.
     min_score: float | None
     max_image_pixels: int
     analysis_max_side: int
@@ -104,10 +106,6 @@ def age_decision_report(decision: AgeDecision, quality: FaceQuality | None) -> A
     if decision.reason == "face_quality" and quality is not None:
         report = dataclasses.replace(quality_report(quality), reasons=decision.quality_reasons)
     return AgeDecisionReport(reason=decision.reason, quality=report)
-
-
-def enrolled_face_id(reference_id: str) -> str:
-    return f"f{reference_id}"
 
 
 class TransactionProcessor:
@@ -245,8 +243,11 @@ class TransactionProcessor:
         if cached is not None and now - cached.read_at < self._policy.tenant_cache_s:
             return cached
         info = await self._clients.get(tenant_id) if self._clients is not None else None
+        own = info.min_score if info is not None else None
+        # A tenant's own minimum score, else the service-wide one set at run time (ClientStore).
+        service_wide = await self._clients.default_min_score() if self._clients and own is None else None
         fresh = _TenantSearch(
-            min_score=info.min_score if info is not None else None,
+            min_score=own if own is not None else service_wide,
             max_matches=info.max_matches if info is not None else None,
             gallery_size=await self._records.count(tenant_id),
             read_at=now,
@@ -330,15 +331,14 @@ class TransactionProcessor:
         decision = decide_age(faces, self._policy.age_rule)
         if subject is None or decision is None:
             return AgeEstimationOutcome(age=None, under_18=None, under_21=None)
-        age = decision.estimate
         unindexed: tuple[QualityReport, ...] = ()
         enrolled = False
         if tx.enroll_face and subject.embedding is not None:
             unindexed, enrolled = await self._enroll_if_good(tx, subject)
         return AgeEstimationOutcome(
-            age=age.age,
-            under_18=age.under_18,
-            under_21=age.under_21,
+            age=decision.estimate.age,
+            under_18=decision.under_18,
+            under_21=decision.under_21,
             unindexed_faces=unindexed,
             enrolled=enrolled,
             age_decision=age_decision_report(decision, subject.quality),

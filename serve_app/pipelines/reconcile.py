@@ -65,7 +65,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from serve_app.domain.faces import lock_subject
-from serve_app.domain.identifiers import is_face_id
+from serve_app.domain.identifiers import reference_id_of_face
 from serve_app.domain.transactions import Transaction
 from serve_app.pipelines.blob_sweep import BlobSweep, SweepReport
 from serve_app.pipelines.jobs import JobPass, LeasedJob, LeaseLost
@@ -131,11 +131,6 @@ _PHASES = ("records", "vectors", "suspects", "done")
 _BLOBS = "blobs"  # after every tenant; its `after` is the blob store's cursor
 _CURSOR = "cursor"  # the job's fields
 _LAST_PASS = "last-pass"
-
-
-def reference_id_of(face_id: str) -> str | None:
-    """The reference id of the transaction that enrolled the face (processing.enrolled_face_id)."""
-    return face_id[1:] if is_face_id(face_id) else None
 
 
 @dataclass
@@ -259,7 +254,7 @@ class Reconciler:
 
     async def _transaction(self, face_id: str) -> tuple[bool, Transaction | None]:
         """(whether the face's transaction may still write it, the transaction)."""
-        reference_id = reference_id_of(face_id)
+        reference_id = reference_id_of_face(face_id)
         tx = await self.transactions.get(reference_id) if reference_id is not None else None
         return (tx is not None and not tx.state.is_final), tx
 

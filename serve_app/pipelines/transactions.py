@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Mapping
 
 from serve_app.domain.errors import NotReplicated, ValidationFailed
 from serve_app.domain.idempotency import IdempotencyClaim, IdempotencyConflict, fingerprint
@@ -16,7 +17,7 @@ from serve_app.domain.transactions import (
     new_reference_id,
 )
 from serve_app.domain.transactions import upload_key as upload_key  # re-exported
-from serve_app.imaging.decode import validate_image
+from serve_app.imaging.decode import ImageFormat, validate_image
 from serve_app.pipelines.commands import AgeEstimationCommand, FaceSearchCommand
 from serve_app.stores.interfaces import BlobStore, FaceRecordStore, ResultArchive, TransactionStore
 
@@ -76,8 +77,16 @@ class TransactionService:
         allow_override: bool = False,
         client_reference: str | None = None,
     ) -> Transaction:
-        # Check it now so a corrupt upload is refused with a 4xx instead of failing later in a worker.
-        image_format = await asyncio.to_thread(validate_image, image, self._max_image_pixels)
+        fields = {
+            "enroll_face": enroll_face,
+            "allow_override": allow_override,
+            "client_reference": client_reference,
+        }
+        # Checked now, so a corrupt upload is refused with a 4xx instead of failing later in a worker; the
+        # fingerprint of a keyed create is hashed in the same thread, off the event loop.
+        image_format, request_fingerprint = await asyncio.to_thread(
+            self._check_upload, tenant_id, kind, fields, image, idempotency_key is not None
+        )
         now = time.time()
         reference_id = new_reference_id()
         tx = Transaction(
@@ -93,15 +102,8 @@ class TransactionService:
             client_reference=client_reference,
         )
         claim = None
-        if idempotency_key is not None:
-            fields = {
-                "enroll_face": enroll_face,
-                "allow_override": allow_override,
-                "client_reference": client_reference,
-            }
-            claim = IdempotencyClaim(
-                tenant_id, idempotency_key, fingerprint(tenant_id, kind.value, fields, image)
-            )
+        if idempotency_key is not None and request_fingerprint is not None:
+            claim = IdempotencyClaim(tenant_id, idempotency_key, request_fingerprint)
         # The image is written before the transaction exists, so a queued transaction always has its image.
         await self._blobs.put(tx.image_key, image, image_format.content_type)
         try:
@@ -117,6 +119,14 @@ class TransactionService:
         # reconciler's orphan sweep would find it otherwise, an hour later).
         await self._blobs.delete(tx.image_key)
         return await self.get_for_tenant(tenant_id, held_by)
+
+    def _check_upload(
+        self, tenant_id: str, kind: TransactionKind, fields: Mapping[str, object], image: bytes, keyed: bool
+    ) -> tuple[ImageFormat, str | None]:
+        """The upload's format once it is known to decode (ValidationFailed and its kin otherwise), and
+        the request's fingerprint when it carries an Idempotency-Key. One thread hop for both."""
+        image_format = validate_image(image, self._max_image_pixels)
+        return image_format, fingerprint(tenant_id, kind.value, fields, image) if keyed else None
 
     async def get_for_tenant(self, tenant_id: str, reference_id: str) -> Transaction:
         """The transaction if it exists and belongs to this tenant; another tenant's id is 'not valid'."""

@@ -190,8 +190,9 @@ class QueueWorker:
             )
             return
         except BackendUnavailable as error:
-            # An outage is not the transaction's fault: after a pause, put it back with a fresh delivery
-            # count so a long outage delays transactions but never fails them. If Redis itself is down the
+            # An outage is not the transaction's fault (Redis down or at its maxmemory, a full disk:
+            # StorageFull): after a pause, put it back with a fresh delivery count so a long outage delays
+            # transactions but never fails them. If Redis itself is down the
             # requeue fails too, and the entry stays pending until it is reclaimed.
             logger.warning(
                 "worker %s: %s; transaction %s requeued", self.consumer, error.message, entry.reference_id

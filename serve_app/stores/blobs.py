@@ -5,20 +5,26 @@ its second line, the key (so a scan of the files can name each blob's owner: sca
 before use and only their hash names a file, so no key can address a path outside the directory; the
 two-level fan-out keeps directories small. Writes go to a temporary file that is fsynced and renamed
 over the target, so a reader sees the old blob or the new one, never a partial file.
+
+A file system out of space (ENOSPC) or quota (EDQUOT) is StorageFull, a busy server to the callers (507
+with Retry-After to a client, an outage to a worker), not a bug: a write refused so leaves nothing behind
+(neither its temporary file nor the content-type file of a blob whose data never arrived).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import os
 import re
 import tempfile
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
+from serve_app.domain.errors import StorageFull
 from serve_app.stores.interfaces import BlobPage
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9_\-/]+$")
@@ -48,6 +54,21 @@ def validate_content_type(content_type: str) -> str:
     if not _CONTENT_TYPE_RE.fullmatch(content_type):
         raise ValueError(f"invalid content type {content_type!r}")
     return content_type
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+@contextlib.contextmanager
+def _space_errors(root: Path) -> Iterator[None]:
+    """A write or a removal (a full copy-on-write file system refuses those too) the file system refused
+    for space becomes StorageFull; any other OSError stays what it is."""
+    try:
+        yield
+    except OSError as error:
+        if error.errno in _NO_SPACE:
+            raise StorageFull(f"blob store {root}: {error.strerror}") from error
+        raise
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -87,14 +108,24 @@ class LocalBlobStore:
     async def put(self, key: str, data: bytes, content_type: str) -> None:
         path = self._path(key)
         validate_content_type(content_type)
-        await asyncio.to_thread(self._put_sync, path, bytes(data), content_type, key)
+        with _space_errors(self._root):
+            await asyncio.to_thread(self._put_sync, path, bytes(data), content_type, key)
 
     @staticmethod
     def _put_sync(path: Path, data: bytes, content_type: str, key: str) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         # Type first: a reader that finds the data finds its type too.
-        _atomic_write(path.with_suffix(".type"), f"{content_type}\n{key}".encode())
-        _atomic_write(path, data)
+        type_path = path.with_suffix(".type")
+        _atomic_write(type_path, f"{content_type}\n{key}".encode())
+        try:
+            _atomic_write(path, data)
+        except BaseException:
+            # A new blob whose data never arrived leaves no content-type file either: the sweep walks data
+            # files only (scan_old), so it would stay for ever. An older blob under the key keeps its own.
+            if not path.exists():
+                with contextlib.suppress(FileNotFoundError):
+                    type_path.unlink()
+            raise
         _fsync_directory(path.parent)
 
     async def get(self, key: str) -> tuple[bytes, str] | None:
@@ -113,7 +144,9 @@ class LocalBlobStore:
         return data, content_type or DEFAULT_CONTENT_TYPE
 
     async def delete(self, key: str) -> None:
-        await asyncio.to_thread(self._delete_sync, self._path(key))
+        path = self._path(key)
+        with _space_errors(self._root):
+            await asyncio.to_thread(self._delete_sync, path)
 
     @staticmethod
     def _delete_sync(path: Path) -> None:

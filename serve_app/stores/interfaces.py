@@ -19,6 +19,7 @@ from serve_app.domain.gallery import AuditEntry, GalleryCounts
 from serve_app.domain.idempotency import IdempotencyClaim
 from serve_app.domain.outcomes import Outcome
 from serve_app.domain.transactions import Transaction
+from serve_app.domain.webhooks import ClaimedEvent, DeliveryAttempt, QueueStats, Settlement, WebhookConfig
 
 
 @dataclass(frozen=True)
@@ -378,6 +379,14 @@ class ClientStore(Protocol):
     ) -> ClientInfo | None:
         """Set (a value) or clear (None) the tenant's overrides; None when the client is unknown."""
 
+    async def default_min_score(self) -> float | None:
+        """The service-wide minimum match score set on the running service (`facesearch calibrate --apply
+        default`, `facesearch clients update default`); None when none is set. A tenant's own comes first;
+        it comes before FACESEARCH_MATCH_MIN_SCORE and the gallery-size default."""
+
+    async def set_default_min_score(self, min_score: float | None) -> None:
+        """Set (a value) or clear (None) the service-wide minimum match score."""
+
 
 @dataclass(frozen=True)
 class Admission:
@@ -410,3 +419,65 @@ class RateLimiter(Protocol):
         forgets them."""
 
     async def reset(self, key: str) -> None: ...
+
+
+class WebhookStore(Protocol):
+    """A tenant's completion webhook: its endpoint, its signing secrets (sealed at rest), the durable queue
+    of its completion events and its delivery log (pipelines/webhooks.py).
+
+    Events are not put here by a method: the transaction store's final write (TransactionStore.complete
+    and fail, when they make the transaction final) queues the transaction's event in the same atomic
+    step when the tenant has an endpoint, due at once, so a final transaction never lacks its event.
+    An event's id is domain.webhooks.event_id of its reference id; it is kept while queued and
+    event_retention_s after it was delivered or marked dead."""
+
+    async def get(self, tenant: str) -> WebhookConfig | None:
+        """What may be shown of the tenant's webhook (never a secret); None when none was registered."""
+
+    async def set_url(self, tenant: str, url: str) -> str | None:
+        """Register the endpoint (the URL already vetted). Returns the signing secret when this created it
+        (the first registration): the one time it is shown; None when the tenant had one already."""
+
+    async def remove_url(self, tenant: str) -> bool:
+        """No endpoint: nothing more is queued; the secret and events already queued stay (those are
+        marked dead at their next attempt). False when there was no endpoint."""
+
+    async def delete(self, tenant: str) -> bool:
+        """Forget the endpoint, its secrets and the delivery log; False when there was nothing."""
+
+    async def rotate_secret(self, tenant: str, grace_s: float) -> str:
+        """A new signing secret, returned once. The previous one keeps signing beside it for grace_s (0:
+        not at all), so receivers can switch without dropping events (Standard Webhooks' several
+        signatures)."""
+
+    async def signing_keys(self, tenant: str) -> tuple[str | None, list[bytes]]:
+        """The endpoint (None: none) and the HMAC keys to sign with: the current secret's first, then the
+        rotated-out one's while its grace lasts. SecretUnreadable when a stored secret cannot be opened."""
+
+    async def claim_due(self, now: float, lease_s: float, count: int) -> list[ClaimedEvent]:
+        """Up to `count` events due at `now` (oldest due first), each now this caller's: its attempt count
+        grows by one and it is due again lease_s later, so the event of a caller that died is claimed
+        again then."""
+
+    async def settle(
+        self, event: ClaimedEvent, outcome: Settlement, record: DeliveryAttempt, next_due: float | None = None
+    ) -> bool:
+        """Record a claimed attempt: RETRY (due again at next_due), DELIVERED or DEAD (both leave the
+        queue). The attempt is added to the tenant's delivery log whatever happens; the event changes,
+        and the totals count it, only while no later claim holds it (False: this attempt outlived its
+        lease)."""
+
+    async def redeliver(self, tenant: str, event_id: str) -> bool | None:
+        """Queue a delivered or dead event of the tenant again, due now, with a fresh delivery window (its
+        `since` is now). None: no such event of this tenant; False: it is queued already."""
+
+    async def event_state(self, event_id: str) -> dict[str, str]:
+        """The event's fields, among them `state` (pending, delivering, delivered, dead) and `attempts`;
+        {} when unknown."""
+
+    async def deliveries(self, tenant: str, limit: int) -> list[DeliveryAttempt]:
+        """The tenant's last `limit` attempts, newest first (the log keeps the last log_size)."""
+
+    async def stats(self, now: float) -> QueueStats:
+        """Events not yet delivered or dead, the age at `now` of the oldest of them, and the settled
+        attempts' totals by outcome (every outcome present)."""

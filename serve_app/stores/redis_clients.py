@@ -15,6 +15,7 @@ Keys (prefix default "fs:"):
   {p}client:{client_id}          hash name, created_at, revoked ("0"/"1"), secret_hmac, kid (absent: "0")
   {p}client-secret:{secret_hmac} client_id (removed on revoke)
   {p}clients                     sorted set client_id -> created_at
+  {p}search-defaults             hash min_score: the service-wide minimum score set at run time
 
 client_id arrives from callers at login: only values of the issued format (cl_ + 24 hex digits) reach a key
 name, anything else is an unknown client. Secrets appear only as their keyed hash.
@@ -196,6 +197,19 @@ class RedisClientStore:
                         pipe.hset(key, name, repr(value))
                 await pipe.execute()
         return await self.get(client_id)
+
+    async def default_min_score(self) -> float | None:
+        async with redis_errors():
+            value = await self._redis.hget(f"{self._prefix}search-defaults", "min_score")
+        return float(text(value)) if value is not None else None
+
+    async def set_default_min_score(self, min_score: float | None) -> None:
+        key = f"{self._prefix}search-defaults"
+        async with redis_errors():
+            if min_score is None:
+                await self._redis.hdel(key, "min_score")
+            else:
+                await self._redis.hset(key, "min_score", repr(float(min_score)))
 
     async def revoke(self, client_id: str) -> bool:
         """Marks the client revoked and forgets its secret hash index; False when the client is unknown."""

@@ -190,9 +190,6 @@ def socket_timeout_of(client: Redis) -> float | None:
 def to_backend_unavailable(error: BaseException) -> BackendUnavailable:
     if isinstance(error, redis_exceptions.ConnectionError | redis_exceptions.TimeoutError | OSError):
         return BackendUnavailable(f"Redis is unavailable: {error}")
-    # Anything else (a ResponseError such as MISCONF or OOM, or a bug) is still reported as the backend
-    # failing, but logged with its traceback so a bug does not hide behind a 503.
-    logger.error("unexpected Redis error", exc_info=error)
     message = f"Redis is unavailable: {type(error).__name__}: {error}"
     server_state = (
         isinstance(error, _SERVER_STATE_CLASSES)
@@ -202,7 +199,15 @@ def to_backend_unavailable(error: BaseException) -> BackendUnavailable:
             f"-{state}" in str(error) for state in (*_SERVER_STATE_PREFIXES, "READONLY", "OOM", "MASTERDOWN")
         )
     )
-    if isinstance(error, redis_exceptions.ResponseError) and not server_state:
+    if server_state:
+        # The server's state (at maxmemory: OOM; unable to write its files: MISCONF; a replica: READONLY)
+        # refuses it for now: an outage that passes, reported by whoever handles the 503 or the requeue,
+        # without a traceback per request while it lasts.
+        return BackendUnavailable(message)
+    # Anything else (a bug, or a reply this command gets every time) is still reported as the backend
+    # failing, but logged with its traceback so a bug does not hide behind a 503.
+    logger.error("unexpected Redis error", exc_info=error)
+    if isinstance(error, redis_exceptions.ResponseError):
         # WRONGTYPE, a script error, a bad argument: this command fails the same way every time.
         return BackendRejected(message)
     return BackendUnavailable(message)

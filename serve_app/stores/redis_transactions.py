@@ -10,7 +10,8 @@ Keys (prefix default "fs:"):
   {p}sys:tx-finished          stream of {"ref": reference_id}, one entry per transaction that became final
                               while results are archived (archive_after_s): the result archiver's to-do list
   {p}wh-event:..., {p}sys:wh-*  a completion webhook's event and its queue entries, written by the final
-                              state's script when the tenant has an endpoint (layout: redis_webhooks.py)
+                              state's script when the tenant has an endpoint (redis_webhooks.py: layout
+                              and the script's part that writes them)
   {p}idem:{digest}            hash {fp, ref, replays}: the request fingerprint and the reference_id of the
                               transaction an Idempotency-Key created (domain/idempotency.py); expires
                               idempotency_ttl_s after the create (24 h by default)
@@ -54,6 +55,7 @@ from serve_app.domain.transactions import Transaction, TransactionState, upload_
 from serve_app.stores.interfaces import FinishedEntry, QueueEntry
 from serve_app.stores.outcome_codec import outcome_fields
 from serve_app.stores.redis_support import redis_errors, socket_timeout_of, text, text_map
+from serve_app.stores.redis_webhooks import QUEUE_COMPLETION_EVENT, WebhookKeys
 from serve_app.stores.transaction_codec import decode_transaction, encode_transaction
 
 logger = logging.getLogger(__name__)
@@ -109,15 +111,17 @@ return redis.call('HGETALL', KEYS[1])
 # Non-final -> final (ARGV[1]) at time ARGV[2]: sets the field/value pairs from ARGV[8] on (the result or
 # the error), the expiry ARGV[3] (0: none), pushes the completion signal (kept ARGV[4] s) and, when ARGV[5]
 # names the reference id, appends it to the stream of finished transactions the result archiver reads
-# (KEYS[4]; its entry ids are the completion times). When ARGV[6] (the webhook keys' prefix) is set and the
-# tenant has a webhook url, queues the transaction's completion event in the same step (the layout is
-# stores/redis_webhooks.py's; ARGV[7] is the reference id). Returns 1 when it changed the state, 0 when
-# unknown or already final.
-_FINALIZE = """
+# (KEYS[4]; its entry ids are the completion times). ARGV[6]: the reference id. When ARGV[7..11] are set
+# (redis_webhooks.WebhookKeys.completion_args), the transaction's completion event is queued in the same
+# step if its tenant has a webhook url (redis_webhooks.QUEUE_COMPLETION_EVENT, which owns the event's
+# layout). Returns 1 when it changed the state, 0 when unknown or already final.
+_FINALIZE = (
+    QUEUE_COMPLETION_EVENT
+    + """
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return 0 end
 if state == 'completed' or state == 'failed' then return 0 end
-redis.call('HSET', KEYS[1], 'state', ARGV[1], 'updated_at', ARGV[2], unpack(ARGV, 8))
+redis.call('HSET', KEYS[1], 'state', ARGV[1], 'updated_at', ARGV[2], unpack(ARGV, 12))
 redis.call('HINCRBY', KEYS[2], state, -1)
 redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
 if tonumber(ARGV[3]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[3]) end
@@ -125,19 +129,16 @@ redis.call('DEL', KEYS[3])
 redis.call('RPUSH', KEYS[3], ARGV[1])
 redis.call('EXPIRE', KEYS[3], ARGV[4])
 if ARGV[5] ~= '' then redis.call('XADD', KEYS[4], '*', 'ref', ARGV[5]) end
-if ARGV[6] ~= '' then
+if ARGV[7] ~= '' then
   local tenant = redis.call('HGET', KEYS[1], 'tenant_id')
-  if tenant and redis.call('HEXISTS', ARGV[6] .. 'webhook:' .. tenant, 'url') == 1 then
-    local id = 'evt_' .. ARGV[7]
-    local now_ms = math.floor(tonumber(ARGV[2]) * 1000)
-    redis.call('HSET', ARGV[6] .. 'wh-event:' .. id, 'tenant', tenant, 'ref', ARGV[7], 'type', ARGV[1],
-      'final_at', now_ms, 'since', now_ms, 'attempts', 0, 'state', 'pending')
-    redis.call('ZADD', ARGV[6] .. 'sys:wh-due', now_ms, id)
-    redis.call('ZADD', ARGV[6] .. 'sys:wh-born', now_ms, id)
+  if tenant then
+    queue_completion_event(tenant, ARGV[6], ARGV[1], math.floor(tonumber(ARGV[2]) * 1000),
+      ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11])
   end
 end
 return 1
 """
+)
 
 # Drops archived transactions: KEYS[1] the finished stream, KEYS[i + 1] the hash whose stream entry id is
 # ARGV[i]. A hash goes only while it is final (the archived copy is of that final state), then its entry.
@@ -262,7 +263,7 @@ class RedisTransactionStore:
         self._idempotency_ttl_s = idempotency_ttl_s
         self._archive_after_s = archive_after_s
         self._finished = f"{prefix}sys:tx-finished"
-        self._webhook_prefix = prefix if webhooks else ""
+        self._webhook_keys = WebhookKeys(prefix) if webhooks else None
         # A completion signal never outlives its transaction.
         self._done_ttl_s = max(1, min(done_signal_ttl_s, self._finished_ttl_s or done_signal_ttl_s))
         self._group_ready = False
@@ -358,8 +359,12 @@ class RedisTransactionStore:
                     self._finished_ttl_s,
                     self._done_ttl_s,
                     reference_id if self._archive_after_s else "",
-                    self._webhook_prefix,
                     reference_id,
+                    *(
+                        self._webhook_keys.completion_args(reference_id)
+                        if self._webhook_keys is not None
+                        else WebhookKeys.NO_COMPLETION_EVENT
+                    ),
                     *pairs,
                 ],
             )

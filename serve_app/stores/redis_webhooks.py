@@ -1,6 +1,6 @@
-"""Webhook endpoints, their signing secrets and the durable delivery queue in Redis.
+"""Webhook endpoints, their signing secrets and the durable delivery queue in Redis (WebhookStore).
 
-Keys (prefix default "fs:"):
+Keys (prefix default "fs:"), every name and field written here once (WebhookKeys, the scripts below):
   {p}webhook:{tenant}      hash: url (absent: no endpoint, nothing is queued), secret and prev_secret
                            (encrypted, see SecretCipher), prev_until (ms: the rotated-out secret still
                            signs until then), created_at, updated_at, rotated_at (s)
@@ -17,19 +17,19 @@ Keys (prefix default "fs:"):
 
 The event is written by the script that makes a transaction final (redis_transactions._FINALIZE), in the
 same atomic step, when the tenant's hash has a url: once a transaction is final its event exists, and no
-crash can fall between the two. The event and webhook keys are named inside the scripts from the prefix
-(they depend on the transaction's tenant), which a single Redis server or a Sentinel group allows; the
-service does not run on Redis Cluster.
+crash can fall between the two. That script runs QUEUE_COMPLETION_EVENT, the Lua function below, with the
+names WebhookKeys.completion_args gives, so the event's layout is written in this module only. The webhook
+hash's name depends on the transaction's tenant, which only the script reads: it is built there from the
+prefix passed in, which a single Redis server or a Sentinel group allows; the service does not run on
+Redis Cluster.
 """
 
 from __future__ import annotations
 
 import base64
-import json
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from cryptography.exceptions import InvalidTag
@@ -37,8 +37,64 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from redis.asyncio import Redis
 
 from serve_app.domain.keys import PurposeKeys
-from serve_app.domain.webhooks import new_secret, secret_key
+from serve_app.domain.webhooks import (
+    OUTCOMES,
+    ClaimedEvent,
+    DeliveryAttempt,
+    QueueStats,
+    SecretUnreadable,
+    Settlement,
+    WebhookConfig,
+    event_id,
+    new_secret,
+    secret_key,
+)
 from serve_app.stores.redis_support import redis_errors, text, text_map
+
+# Queue a transaction's completion event, if its tenant has an endpoint: a Lua function for the script
+# that makes the transaction final (redis_transactions._FINALIZE), whose other arguments come first.
+# queue_completion_event(tenant, reference id, final state, when final (ms), then WebhookKeys.
+# completion_args: the webhook hashes' name prefix, the event's hash, the due and born sets, the event id).
+QUEUE_COMPLETION_EVENT = """
+local function queue_completion_event(tenant, ref, state, now_ms, hooks, event_key, due, born, id)
+  if redis.call('HEXISTS', hooks .. tenant, 'url') == 1 then
+    redis.call('HSET', event_key, 'tenant', tenant, 'ref', ref, 'type', state, 'final_at', now_ms,
+      'since', now_ms, 'attempts', 0, 'state', 'pending')
+    redis.call('ZADD', due, now_ms, id)
+    redis.call('ZADD', born, now_ms, id)
+  end
+end
+"""
+
+
+class WebhookKeys:
+    """The key names of the layout above, under one prefix."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.configs = f"{prefix}webhook:"  # + tenant
+        self.events = f"{prefix}wh-event:"  # + event id
+        self.due = f"{prefix}sys:wh-due"
+        self.born = f"{prefix}sys:wh-born"
+        self.counts = f"{prefix}sys:wh-counts"
+
+    def config(self, tenant: str) -> str:
+        return f"{self.configs}{tenant}"
+
+    def event(self, event: str) -> str:
+        return f"{self.events}{event}"
+
+    def log(self, tenant: str) -> str:
+        return f"{self.prefix}wh-log:{tenant}"
+
+    # The final write's arguments when no event is ever queued (a store without webhooks).
+    NO_COMPLETION_EVENT = ("", "", "", "", "")
+
+    def completion_args(self, reference_id: str) -> tuple[str, str, str, str, str]:
+        """QUEUE_COMPLETION_EVENT's names for the completion event of this transaction."""
+        event = event_id(reference_id)
+        return (self.configs, self.event(event), self.due, self.born, event)
+
 
 # Claim: the due events (score <= now), at most ARGV[3]; each gets attempts + 1, state delivering and a
 # due time one lease (ARGV[2] ms) on. KEYS: due, born. ARGV: now ms, lease ms, count, event key prefix.
@@ -108,10 +164,6 @@ return 1
 """
 
 
-class SecretUnreadable(Exception):
-    """A stored secret whose key is no longer in the key ring (or that was tampered with)."""
-
-
 class SecretCipher:
     """Signing secrets at rest: AES-256-GCM under the key ring's webhook key, the tenant as associated data
     (a ciphertext copied to another tenant's hash does not decrypt). Stored as `<kid>:<base64 nonce+ct>`,
@@ -143,60 +195,6 @@ class SecretCipher:
             raise SecretUnreadable(f"the webhook secret of {tenant} does not decrypt") from error
 
 
-@dataclass(frozen=True)
-class WebhookConfig:
-    """What may be shown of a tenant's webhook: never the secret."""
-
-    url: str | None
-    created_at: float
-    updated_at: float
-    secret_rotated_at: float | None
-    previous_secret_until: float | None  # s; the rotated-out secret still signs until then
-
-
-@dataclass(frozen=True)
-class ClaimedEvent:
-    event_id: str
-    tenant: str
-    reference_id: str
-    state: str  # the transaction's final state
-    final_at_ms: int
-    since_ms: int
-    attempt: int
-
-
-@dataclass(frozen=True)
-class DeliveryAttempt:
-    """One line of a tenant's delivery log."""
-
-    event_id: str
-    reference_id: str
-    attempt: int
-    at: float
-    outcome: str  # delivered, retrying, dead
-    status_code: int | None
-    error: str | None
-    duration_ms: float
-    next_attempt_at: float | None
-
-    def to_json(self) -> str:
-        return json.dumps(self.__dict__, separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, raw: str) -> DeliveryAttempt:
-        return cls(**json.loads(raw))
-
-
-OUTCOMES = ("delivered", "retried", "dead")
-
-
-@dataclass(frozen=True)
-class QueueStats:
-    pending: int
-    oldest_age_s: float  # of the oldest undelivered event (0: none)
-    totals: dict[str, int]  # settled attempts by outcome, since the deployment began
-
-
 def _ms(seconds: float) -> int:
     return int(seconds * 1000)
 
@@ -213,12 +211,12 @@ class RedisWebhookStore:
     ) -> None:
         self._redis = redis
         self._cipher = cipher
-        self._prefix = prefix
+        self._keys = WebhookKeys(prefix)
         self._log_size = log_size
         self._retention_s = event_retention_s
-        self._due = f"{prefix}sys:wh-due"
-        self._born = f"{prefix}sys:wh-born"
-        self._counts = f"{prefix}sys:wh-counts"
+        self._due = self._keys.due
+        self._born = self._keys.born
+        self._counts = self._keys.counts
         self._claim = redis.register_script(_CLAIM)
         self._settle = redis.register_script(_SETTLE)
         self._redeliver = redis.register_script(_REDELIVER)
@@ -226,16 +224,16 @@ class RedisWebhookStore:
 
     @property
     def prefix(self) -> str:
-        return self._prefix
+        return self._keys.prefix
 
     def _config_key(self, tenant: str) -> str:
-        return f"{self._prefix}webhook:{tenant}"
+        return self._keys.config(tenant)
 
-    def _event_key(self, event_id: str) -> str:
-        return f"{self._prefix}wh-event:{event_id}"
+    def _event_key(self, event: str) -> str:
+        return self._keys.event(event)
 
     def _log_key(self, tenant: str) -> str:
-        return f"{self._prefix}wh-log:{tenant}"
+        return self._keys.log(tenant)
 
     # -- configuration ----------------------------------------------------------------------------------
 
@@ -326,7 +324,7 @@ class RedisWebhookStore:
         async with redis_errors():
             rows = await self._claim(
                 keys=[self._due, self._born],
-                args=[_ms(now), _ms(lease_s), count, f"{self._prefix}wh-event:"],
+                args=[_ms(now), _ms(lease_s), count, self._keys.events],
             )
         return [
             ClaimedEvent(text(r[0]), text(r[1]), text(r[2]), text(r[3]), int(r[4]), int(r[5]), int(r[6]))
@@ -334,13 +332,9 @@ class RedisWebhookStore:
         ]
 
     async def settle(
-        self, event: ClaimedEvent, outcome: str, record: DeliveryAttempt, next_due: float | None = None
+        self, event: ClaimedEvent, outcome: Settlement, record: DeliveryAttempt, next_due: float | None = None
     ) -> bool:
-        """outcome: retry (due again at next_due), delivered or dead. False when a later claim holds the
-        event (this attempt outlived its lease); the attempt is logged either way."""
-        if outcome not in ("retry", "delivered", "dead"):
-            raise ValueError(f"unknown outcome {outcome!r}")
-        words = f"{record.status_code}" if record.status_code is not None else (record.error or "")
+        outcome = Settlement(outcome)
         async with redis_errors():
             settled = await self._settle(
                 keys=[
@@ -353,12 +347,12 @@ class RedisWebhookStore:
                 args=[
                     event.event_id,
                     event.attempt,
-                    outcome,
+                    outcome.value,
                     _ms(next_due or 0),
                     record.to_json(),
                     self._log_size,
                     self._retention_s,
-                    words,
+                    record.in_words,
                 ],
             )
         return bool(settled)

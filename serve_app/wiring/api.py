@@ -3,7 +3,6 @@ is imported here (tests/unit/test_ingress_imports.py)."""
 
 from __future__ import annotations
 
-from models.types import MODEL_VERSION
 from serve_app.api.app import ApiServices
 from serve_app.api.limits import parse_networks
 from serve_app.api.tokens import TokenSigner
@@ -14,6 +13,7 @@ from serve_app.pipelines.proofs import ProofService
 from serve_app.pipelines.transactions import TransactionService
 from serve_app.settings import Settings
 from serve_app.stores.blobs import LocalBlobStore
+from serve_app.wiring.models import serving_face_model
 from serve_app.wiring.stores import gallery_store, lock_policy, redis_stores, result_archive
 from serve_app.wiring.webhooks import webhook_service
 
@@ -57,7 +57,7 @@ def build_api_services(settings: Settings) -> ApiServices:
             blobs,
             stores.audit,
             subject_key=settings.auth.key_ring().for_purpose(AUDIT_SUBJECTS),
-            model_version=MODEL_VERSION,
+            model_version=serving_face_model(settings).version,
             lock=lock_policy(settings),
         )
         if settings.milvus.uri

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
-from models.types import FUSED_DIM, MODEL_VERSION
 from serve_app.domain.keys import CLIENT_SECRETS
 from serve_app.settings import Settings, wait_replicas
 from serve_app.stores.blobs import LocalBlobStore
@@ -26,6 +25,7 @@ from serve_app.stores.redis_support import connect_redis
 from serve_app.stores.redis_tenant_clock import RedisTenantClock
 from serve_app.stores.redis_transactions import RedisTransactionStore
 from serve_app.stores.result_archive import BlobResultArchive
+from serve_app.wiring.models import serving_face_model
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def redis_stores(settings: Settings, redis: Redis | None = None) -> RedisStores:
         ),
         limiter=RedisRateLimiter(redis, prefix=prefix),
         admission=RedisRequestAdmission(redis, prefix=prefix),
-        audit=RedisAuditLog(redis, prefix=prefix),
+        audit=RedisAuditLog(redis, prefix=prefix, retention_s=retention.audit_retention_s or None),
     )
 
 
@@ -94,11 +94,12 @@ def gallery_store(settings: Settings, redis: Redis | None = None) -> MilvusGalle
     milvus = settings.milvus
     if redis is None:
         redis = connect_redis(require(settings.redis.url, "REDIS_URL"), max_connections=4)
+    face_model = serving_face_model(settings)
     return MilvusGalleryStore(
         require(milvus.uri, "MILVUS_URI"),
         token=milvus.token,
-        model_version=MODEL_VERSION,
-        dimension=FUSED_DIM,
+        model_version=face_model.version,
+        dimension=face_model.dim,
         timeout_s=milvus.timeout_s,
         index_policy=IndexPolicy(
             flat_max_rows=milvus.flat_max_rows,

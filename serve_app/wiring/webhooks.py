@@ -1,10 +1,13 @@
 """Webhooks' object graph from Settings: the store (secrets sealed under the key ring's webhook key), the
 service the API and the CLI use, and the worker's delivery loop, which renders each event's result with
-the function /result answers with (serve_app/api/results.py)."""
+the function /result answers with (serve_app/api/results.py). Each of the two resolves host names in a
+thread pool of its own (webhook_resolver), never in asyncio's default one, which inference, decoding and
+blob I/O share: a webhook's name server that hangs cannot hold their threads."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import orjson
@@ -16,7 +19,13 @@ from serve_app.domain.errors import ValidationFailed
 from serve_app.domain.keys import WEBHOOK_SECRETS
 from serve_app.domain.transactions import Transaction
 from serve_app.pipelines.transactions import TransactionService
-from serve_app.pipelines.webhooks import WebhookDeliverer, WebhookPolicy, WebhookService
+from serve_app.pipelines.webhooks import (
+    PinnedSender,
+    SystemResolver,
+    WebhookDeliverer,
+    WebhookPolicy,
+    WebhookService,
+)
 from serve_app.settings import Settings
 from serve_app.stores.blobs import LocalBlobStore
 from serve_app.stores.interfaces import FaceRecordStore, ResultArchive, TransactionStore
@@ -50,8 +59,19 @@ def webhook_store(settings: Settings, redis: Redis) -> RedisWebhookStore:
     )
 
 
+# Registrations resolve one name each, on the API's few concurrent requests that register a webhook.
+REGISTRATION_RESOLVER_THREADS = 4
+
+
+def webhook_resolver(threads: int, name: str) -> SystemResolver:
+    """getaddrinfo on a pool of at most `threads` threads of its own. Owned by the deliverer or service it
+    is given to, for the life of the process (threads start only when needed)."""
+    return SystemResolver(ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name))
+
+
 def webhook_service(settings: Settings, redis: Redis) -> WebhookService:
-    return WebhookService(webhook_store(settings, redis), webhook_policy(settings))
+    resolver = webhook_resolver(REGISTRATION_RESOLVER_THREADS, "webhook-dns-register")
+    return WebhookService(webhook_store(settings, redis), webhook_policy(settings), resolver)
 
 
 def result_renderer(settings: Settings) -> Callable[[Transaction], dict[str, Any]]:
@@ -98,5 +118,9 @@ def build_deliverer(
         load,
         result_renderer(settings),
         webhook_policy(settings),
+        # One thread per event attempted at once: a batch never waits for a thread unless resolutions
+        # hang, and then only its own (each attempt gives up after its timeout).
+        resolve=webhook_resolver(settings.webhooks.batch, "webhook-dns"),
+        send=PinnedSender(),
         on_outcome=on_outcome,
     )

@@ -9,17 +9,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from models.age_policy import AgeIntervalRule
-from models.calibration import FaceScoreCalibration
-from models.embedder import MODEL_VERSION
 from serve_app.pipelines.analysis import DeadlineAnalysis, FaceAnalysisBackend
 from serve_app.pipelines.processing import ProcessingPolicy, TransactionProcessor
 from serve_app.pipelines.reconcile import ReconcilePolicy, Reconciler
+from serve_app.pipelines.score_watch import OutcomeReporting, SearchObserver
 from serve_app.pipelines.worker import QueueWorker, WorkerPolicy
 from serve_app.settings import Settings
 from serve_app.stores.blobs import LocalBlobStore
 from serve_app.stores.milvus_gallery import MilvusGalleryStore
 from serve_app.stores.redis_reconcile import RedisReconcileState
 from serve_app.stores.result_archive import BlobResultArchive
+from serve_app.wiring.models import score_calibration, serving_face_model
 from serve_app.wiring.stores import RedisStores, gallery_store, lock_policy, redis_stores, result_archive
 
 
@@ -44,20 +44,26 @@ class WorkerStores:
 
 
 def build_processor(
-    settings: Settings, analysis: FaceAnalysisBackend, stores: WorkerStores
+    settings: Settings,
+    analysis: FaceAnalysisBackend,
+    stores: WorkerStores,
+    on_search: SearchObserver | None = None,
 ) -> TransactionProcessor:
+    """on_search: told each face search outcome the processor makes final, with its tenant (the score
+    metrics)."""
     policy = ProcessingPolicy(
-        model_version=MODEL_VERSION,
+        model_version=serving_face_model(settings).version,
         max_matches=settings.search.max_matches,
         min_score=settings.search.match_min_score,
         max_image_pixels=settings.limits.max_image_pixels,
         analysis_max_side=settings.models.analysis_max_side,
-        calibration=FaceScoreCalibration.load(),
+        calibration=score_calibration(settings),
         lock=lock_policy(settings),
         age_rule=AgeIntervalRule.load(minor_cleared_rate=settings.models.age_minor_cleared_rate),
     )
+    transactions = stores.redis.transactions
     return TransactionProcessor(
-        stores.redis.transactions,
+        OutcomeReporting(transactions, on_search) if on_search is not None else transactions,
         stores.redis.records,
         stores.gallery,
         stores.blobs,
@@ -88,10 +94,11 @@ def build_worker(
     consumer: str,
     on_processed: Callable[[float], None] | None = None,
     stores: WorkerStores | None = None,
+    on_search: SearchObserver | None = None,
 ) -> tuple[QueueWorker, WorkerStores]:
     """The queue worker on `stores` (default: built here); returns them for the rest of the process."""
     stores = stores if stores is not None else WorkerStores.build(settings)
-    processor = build_processor(settings, analysis, stores)
+    processor = build_processor(settings, analysis, stores, on_search)
     worker = QueueWorker(
         consumer, stores.redis.transactions, processor, worker_policy(settings), on_processed
     )
@@ -114,7 +121,7 @@ def build_reconciler(settings: Settings, holder: str, stores: WorkerStores | Non
             grace_s=worker.reconcile_grace_s,
             batch=worker.reconcile_batch,
             lease_s=worker.reconcile_lease_s,
-            model_version=MODEL_VERSION,
+            model_version=serving_face_model(settings).version,
             orphan_grace_s=settings.retention.orphan_upload_grace_s,
         ),
         blobs=stores.blobs,

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import pytest
 from redis.asyncio import Redis
 
+from serve_app.domain.keys import WEBHOOK_SECRETS, KeyRing
 from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState, new_reference_id
 from serve_app.launch.embedded import EmbeddedMilvus, EmbeddedRedis
 from serve_app.stores.blobs import LocalBlobStore
@@ -35,6 +36,7 @@ from serve_app.stores.interfaces import (
     RateLimiter,
     RequestAdmission,
     TransactionStore,
+    WebhookStore,
     WorkQueue,
 )
 from serve_app.stores.milvus_gallery import MilvusGalleryStore
@@ -45,6 +47,7 @@ from serve_app.stores.redis_ratelimit import RedisRateLimiter
 from serve_app.stores.redis_records import RedisFaceRecordStore
 from serve_app.stores.redis_support import connect_redis
 from serve_app.stores.redis_transactions import RedisTransactionStore
+from serve_app.stores.redis_webhooks import RedisWebhookStore, SecretCipher
 from tests.unit.fakes import (
     EMBEDDING_SIZE,
     TEST_POLICY,
@@ -56,6 +59,7 @@ from tests.unit.fakes import (
     FakeRateLimiter,
     FakeRequestAdmission,
     FakeTransactionStore,
+    FakeWebhookStore,
 )
 
 T = TypeVar("T")
@@ -170,6 +174,36 @@ def _redis_queue(client: Redis, prefix: str) -> QueueKit:
 @pytest.fixture(params=SIDES)
 def open_queue(request: pytest.FixtureRequest) -> Opener[QueueKit]:
     return _redis_opener(_side(request, "redis_url"), _fake_queue, _redis_queue)
+
+
+# --------------------------------------------------------------------------------------------- webhooks
+
+
+WEBHOOK_LOG_SIZE = 5
+
+
+@dataclass
+class WebhookKit:
+    """The webhook store and the transaction store whose final writes queue its events."""
+
+    transactions: TransactionStore
+    webhooks: WebhookStore
+
+
+def _fake_webhooks() -> WebhookKit:
+    webhooks = FakeWebhookStore(log_size=WEBHOOK_LOG_SIZE)
+    return WebhookKit(FakeTransactionStore(webhooks=webhooks), webhooks)
+
+
+def _redis_webhooks(client: Redis, prefix: str) -> WebhookKit:
+    cipher = SecretCipher(KeyRing.parse("k1:" + "c" * 32).for_purpose(WEBHOOK_SECRETS))
+    webhooks = RedisWebhookStore(client, cipher, prefix, log_size=WEBHOOK_LOG_SIZE, event_retention_s=3600)
+    return WebhookKit(RedisTransactionStore(client, prefix), webhooks)
+
+
+@pytest.fixture(params=SIDES)
+def open_webhooks(request: pytest.FixtureRequest) -> Opener[WebhookKit]:
+    return _redis_opener(_side(request, "redis_url"), _fake_webhooks, _redis_webhooks)
 
 
 # ---------------------------------------------------------------------------------- other Redis stores

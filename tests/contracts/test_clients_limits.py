@@ -103,6 +103,24 @@ def test_search_settings_are_set_and_cleared(open_clients: Opener[ClientStore]) 
     run_with(open_clients, scenario)
 
 
+def test_the_service_wide_minimum_score_is_set_and_cleared_apart_from_any_client(
+    open_clients: Opener[ClientStore],
+) -> None:
+    async def scenario(store: ClientStore) -> None:
+        assert await store.default_min_score() is None
+        info, _ = await store.create("tenant")
+        await store.set_default_min_score(0.4375)
+        assert await store.default_min_score() == 0.4375
+        assert await store.get(info.client_id) == info  # no client's own settings change
+        assert await store.list() == [info]  # and it is no client
+        await store.set_default_min_score(0.0)
+        assert await store.default_min_score() == 0.0
+        await store.set_default_min_score(None)
+        assert await store.default_min_score() is None
+
+    run_with(open_clients, scenario)
+
+
 # --------------------------------------------------------------------------------------- admission
 
 

@@ -88,10 +88,10 @@ def test_no_degraded_minor_is_cleared_by_either_flag(
 ) -> None:
     cleared = [
         f"{step}: {minor.name} (age {minor.age}) estimated {d.estimate.expected_age:.1f}, "
-        f"flags {d.estimate.under_18}/{d.estimate.under_21}, width {d.width:.2f}"
+        f"flags {d.under_18}/{d.under_21}, width {d.width:.2f}"
         for step, decisions in degraded.items()
         for minor, d in zip(minors, decisions, strict=True)
-        if d is not None and 0 in (d.estimate.under_18, d.estimate.under_21)
+        if d is not None and 0 in (d.under_18, d.under_21)
     ]
     assert not cleared, cleared
     # The test means something only if the degraded faces are still found and estimated.

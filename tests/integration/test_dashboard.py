@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.faces_dev import REPO_ROOT, FacesDev
@@ -28,6 +29,7 @@ from tests.service_harness import RunningService
 pytestmark = pytest.mark.service
 
 DASHBOARD = REPO_ROOT / "deploy" / "grafana-dashboard.json"
+OPERATIONS = REPO_ROOT / "docs" / "operations.md"
 
 # Words of PromQL that look like identifiers but name no series.
 _KEYWORDS = {"and", "or", "unless", "bool", "offset", "by", "without", "on", "ignoring"}
@@ -59,6 +61,7 @@ def parse_query(expr: str) -> QueryUse:
     bare = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
     bare = re.sub(r"\{[^}]*\}", "", bare)
     bare = re.sub(r"\[[^\]]*\]", "", bare)  # range selectors and $__rate_interval
+    bare = re.sub(r"\boffset\s+[0-9smhdwy]+", "", bare)  # offset durations (alert rules)
     bare = _GROUPING.sub("", bare)
     for match in _IDENTIFIER.finditer(bare):
         followed_by_call = bare[match.end() :].lstrip().startswith("(")
@@ -116,11 +119,27 @@ def scrape_series(metrics_url: str) -> dict[str, list[dict[str, str]]]:
     return series
 
 
+def alert_queries(markdown: str) -> Iterator[tuple[str, QueryUse]]:
+    """(where, what it needs) for every rule of the Prometheus alert rules documented in operations.md (the
+    yaml block after the `alert-rules` marker)."""
+    block = re.search(r"<!-- alert-rules[^>]*-->\s*```yaml\n(.*?)```", markdown, re.DOTALL)
+    assert block, "no alert rules block in docs/operations.md"
+    for group in yaml.safe_load(block.group(1))["groups"]:
+        for rule in group["rules"]:
+            yield f"alert {rule['alert']!r}", parse_query(rule["expr"])
+
+
 def missing_series(
     dashboard: dict[str, Any], series: dict[str, list[dict[str, str]]], application: str
 ) -> list[str]:
+    return missing_for(dashboard_queries(dashboard), series, application)
+
+
+def missing_for(
+    queries: Iterator[tuple[str, QueryUse]], series: dict[str, list[dict[str, str]]], application: str
+) -> list[str]:
     problems = []
-    for where, use in dashboard_queries(dashboard):
+    for where, use in queries:
         for metric in sorted(use.metrics):
             samples = [
                 labels
@@ -137,6 +156,11 @@ def missing_series(
             if not any(label in labels for metric in use.metrics for labels in series.get(metric, [])):
                 problems.append(f"{where}: none of {sorted(use.metrics)} has the label {label!r}")
     return problems
+
+
+def search_result(body: dict[str, Any]) -> dict[str, Any]:
+    result: dict[str, Any] = body["result"]["data"]["face_search_response"]["result"]
+    return result
 
 
 def test_every_dashboard_query_has_its_series(service: RunningService, faces_dev: FacesDev) -> None:
@@ -156,8 +180,8 @@ def test_every_dashboard_query_has_its_series(service: RunningService, faces_dev
     )
 
     # Traffic that produces every series the dashboard reads: an enrolling face search (model batches,
-    # Milvus, transactions), an age estimation, and error answers (the HTTP error counters appear only
-    # after the first 4xx).
+    # Milvus, transactions) and a search that matches it (the match-score series), an age estimation, and
+    # error answers (the HTTP error counters appear only after the first 4xx).
     client = service.new_client("dashboard")
     token = service.token_for(client)
     identity = next(iter(faces_dev.by_identity().values()))
@@ -166,6 +190,10 @@ def test_every_dashboard_query_has_its_series(service: RunningService, faces_dev
             face_search_multipart(http, token, identity[0].path, client_reference="dashboard-ref")
         )
         wait_result(http, token, reference_id)
+        mate = reference_of(face_search_multipart(http, token, identity[1].path, enroll_face=0))
+        assert search_result(wait_result(http, token, mate))["matched_faces"]
+        faceless = reference_of(face_search_multipart(http, token, faces_dev.of_kind("negative")[0].path))
+        assert not search_result(wait_result(http, token, faceless))["is_face_found"]
         assert (
             age_estimation(http, token, faces_dev.of_kind("age")[0].path, wait_for_result="1").status_code
             == 200
@@ -176,7 +204,9 @@ def test_every_dashboard_query_has_its_series(service: RunningService, faces_dev
     # Ray's metrics agent exports every few seconds and Serve flushes cached counters on its own timer.
     deadline = time.monotonic() + 120
     while True:
-        problems = missing_series(dashboard, scrape_series(service.metrics_url), "facesearch")
+        scraped = scrape_series(service.metrics_url)
+        problems = missing_series(dashboard, scraped, "facesearch")
+        problems += missing_for(alert_queries(OPERATIONS.read_text()), scraped, "facesearch")
         if not problems:
             break
         assert time.monotonic() < deadline, "\n".join(problems)

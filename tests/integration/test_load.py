@@ -1,7 +1,8 @@
 """A bounded headless Locust run (loadtests/locustfile.py) against the session's running service.
 
 Mixed traffic from a few users for FACESEARCH_LOAD_SECONDS (default 30) seconds: enrolment with and without
-override, searches, age estimation with and without wait_for_result, result polling and proof downloads.
+override, searches (in one request with `Prefer: wait`, or a create and polls), age estimation with and
+without wait_for_result, result polling and proof downloads.
 It must finish on its own with no failed request at all, having reached every endpoint. How many requests
 it made is printed, not asserted: throughput is measured by `python -m bench.service`.
 
@@ -38,6 +39,7 @@ SUMMARY = re.compile(r"requests=(\d+) failures=(\d+) p50=(\d+)ms p99=(\d+)ms")
 REQUIRED_ENDPOINTS = (
     "/request-access-token",
     "/face-search",
+    "/face-search (Prefer: wait)",
     "/result",
     "/result (long poll)",
     "/age-estimation",

@@ -20,12 +20,14 @@ import pytest
 
 from serve_app.domain.errors import BackendUnavailable
 from serve_app.domain.faces import FaceRecord
+from serve_app.domain.gallery import AuditAction, AuditEntry
 from serve_app.domain.identifiers import new_client_id
 from serve_app.domain.outcomes import FaceSearchOutcome
 from serve_app.domain.transactions import TransactionState, new_reference_id
 from serve_app.launch.embedded import EmbeddedRedis, free_port
 from serve_app.stores.interfaces import LockPolicy
 from serve_app.stores.redis_admission import RedisRequestAdmission
+from serve_app.stores.redis_audit import RedisAuditLog
 from serve_app.stores.redis_clients import RedisClientStore
 from serve_app.stores.redis_ratelimit import RedisRateLimiter
 from serve_app.stores.redis_records import RedisFaceRecordStore
@@ -273,6 +275,38 @@ def test_client_secrets_are_kept_only_as_hashes_keyed_by_the_pepper(redis_url: s
             elsewhere = RedisClientStore(redis, pepper=PEPPER + "!", prefix=p)
             assert await elsewhere.find_by_secret(other_secret) is None
             assert await elsewhere.verify(other.client_id, other_secret) is None
+        finally:
+            await redis.aclose()
+
+    run(scenario)
+
+
+# -- audit trail ----------------------------------------------------------------------------------------
+
+
+def test_audit_entries_past_the_retention_are_dropped_and_a_quiet_trail_expires(redis_url: str) -> None:
+    """Every deletion request adds an entry: with a retention, an append drops the tenant's entries that
+    aged out, and the stream itself lapses once its newest entry is that old."""
+
+    async def scenario() -> None:
+        redis = connect_redis(redis_url)
+        try:
+            audit = RedisAuditLog(redis, prefix=prefix(), retention_s=1)
+            entry = AuditEntry(time.time(), "cl_x", AuditAction.DELETE_FACE, 1, "hmac-sha256:0:ab")
+            await audit.append("tenant-a", entry)
+            await audit.append("tenant-a", entry)
+            assert len((await audit.page("tenant-a", None, 10))[0]) == 2
+            key = audit._key("tenant-a")
+            assert 0 < await redis.ttl(key) <= 1
+            await asyncio.sleep(1.1)
+            await audit.append("tenant-a", entry)
+            assert len((await audit.page("tenant-a", None, 10))[0]) == 1
+            await asyncio.sleep(1.1)
+            assert await redis.exists(key) == 0
+
+            kept = RedisAuditLog(redis, prefix=prefix())  # no retention: entries stay, the key has no ttl
+            await kept.append("tenant-b", entry)
+            assert await redis.ttl(kept._key("tenant-b")) == -1
         finally:
             await redis.aclose()
 

@@ -13,10 +13,12 @@ import pytest
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
+from facesearch_client import calls
 from tests.faces_dev import FacesDev
 from tests.integration.api_client import (
     age_estimation,
     auth,
+    client_for,
     data_uri,
     face_search_json,
     face_search_multipart,
@@ -153,6 +155,30 @@ def test_result_long_poll_answers_once_final(http: httpx.Client, token: str, fac
     data = response.json()["result"]["data"]
     assert data["service_reference_id"] == reference_id
     assert data["face_search_response"]["result"]["is_face_found"] is True
+
+
+def test_a_face_search_in_one_request_and_its_keyed_retry_answer_the_same_result(
+    http: httpx.Client, token: str, faces_dev: FacesDev, enrolled: dict[str, str]
+) -> None:
+    identity, photos = next(iter(faces_dev.by_identity().items()))
+    # One logical request (one Idempotency-Key) sent twice, as a client retries one whose answer was lost.
+    call = calls.face_search(
+        photos[1].path, as_json=True, enroll_face=False, wait_s=10, idempotency_key=f"one-request-{identity}"
+    )
+    first, again = client_for(http, token).send(call), client_for(http, token).send(call)
+    # No 202 and no /result: the create's own answer is the result.
+    assert first.status_code == again.status_code == 200, first.text
+    assert first.headers["Preference-Applied"] == again.headers["Preference-Applied"] == "wait=10"
+    data = first.json()["result"]["data"]
+    result = data["face_search_response"]["result"]
+    assert result["is_face_found"] is True and result["matched_faces"][0][3] == reference_for(identity)
+    assert again.json()["result"]["data"]["service_reference_id"] == data["service_reference_id"]
+    # The transaction's own result (proof URLs aside: they are minted afresh at each read).
+    read = wait_result(http, token, data["service_reference_id"])["result"]["data"]
+    matches = read["face_search_response"]["result"]["matched_faces"]
+    assert [match[:2] + match[3:] for match in matches] == [
+        match[:2] + match[3:] for match in result["matched_faces"]
+    ]
 
 
 def test_age_estimation_without_face_is_null(http: httpx.Client, token: str, faces_dev: FacesDev) -> None:

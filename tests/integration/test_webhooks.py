@@ -9,8 +9,10 @@ import os
 import signal
 import socket
 import sys
+import threading
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -26,25 +28,38 @@ from serve_app.api.tokens import TokenSigner
 from serve_app.domain.errors import ValidationFailed
 from serve_app.domain.keys import WEBHOOK_SECRETS, KeyRing
 from serve_app.domain.outcomes import AgeEstimationOutcome
-from serve_app.domain.webhooks import secret_key
+from serve_app.domain.transactions import Transaction
+from serve_app.domain.webhooks import SecretUnreadable, secret_key
 from serve_app.launch.cli import _clients, _webhooks
 from serve_app.launch.embedded import EmbeddedRedis
+from serve_app.pipelines.commands import AgeEstimationCommand
+from serve_app.pipelines.processing import TransactionProcessor
+from serve_app.pipelines.transactions import TransactionService
+from serve_app.pipelines.webhooks import WebhookService
+from serve_app.pipelines.worker import QueueWorker, WorkerPolicy
 from serve_app.settings import AuthSettings, MilvusSettings, RedisSettings, Settings, WebhookSettings
+from serve_app.stores.blobs import LocalBlobStore
+from serve_app.stores.redis_records import RedisFaceRecordStore
 from serve_app.stores.redis_support import connect_redis, text
-from serve_app.stores.redis_webhooks import RedisWebhookStore, SecretCipher, SecretUnreadable
+from serve_app.stores.redis_transactions import RedisTransactionStore
+from serve_app.stores.redis_webhooks import RedisWebhookStore, SecretCipher
 from serve_app.wiring.api import build_api_services
-from serve_app.wiring.stores import redis_stores
+from serve_app.wiring.stores import gallery_store, redis_stores, result_archive
+from serve_app.wiring.webhooks import build_deliverer, webhook_policy, webhook_store
 from tests.integration.webhook_support import (
     KEY,
     TENANT,
     Pipeline,
     Receiver,
+    finish,
     free_port,
     pipeline,
     policy,
 )
+from tests.unit.fakes import TEST_POLICY, ScriptedAnalysis, embedding, face, solid_png
 
 T = TypeVar("T")
+RED = (200, 30, 30)
 REPO = Path(__file__).resolve().parents[2]
 # Hang guard, not a speed bound: each attempt has its own timeouts of seconds.
 HANG_GUARD_S = 60.0
@@ -79,6 +94,10 @@ async def until(condition: Callable[[], Awaitable[bool]], step: Callable[[], Awa
     while not await condition():
         await step()
         await asyncio.sleep(0.02)
+
+
+async def idle() -> None:
+    """A step that does nothing: until then only waits."""
 
 
 def test_a_delivered_event_verifies_with_the_client_helper_and_carries_the_result(redis_url: str) -> None:
@@ -526,6 +545,225 @@ def test_https_names_the_host_in_sni_and_checks_the_certificate(redis_url: str, 
         (attempt,) = await hooks.service.deliveries(TENANT, 10)
         assert attempt.outcome == "retrying" and "CERTIFICATE_VERIFY_FAILED" in (attempt.error or "")
         assert server_names == ["hooks.test"] and requests in ([], [b""])
+        server.close()
+
+    run(scenario)
+
+
+def test_an_internationalised_url_is_kept_in_ascii_and_delivered(redis_url: str) -> None:
+    """An IDN host and a non-ASCII path and query are stored as they are sent (IDNA, percent-encoding)
+    and delivered; so is such a URL stored before registrations were put in that form."""
+
+    async def scenario() -> None:
+        receiver = await Receiver().start()
+        asked: list[str] = []
+
+        async def resolve(host: str, port: int) -> list[str]:
+            asked.append(host)
+            return ["127.0.0.1"] if host == "xn--bcher-kva.test" else []
+
+        # The operator allows the host as people write it.
+        allowed = policy(allowed_hosts=frozenset({"Bücher.test"}))
+        hooks = fresh(redis_url)
+        service = WebhookService(hooks.store, allowed, resolve)
+        written = f"http://Bücher.test:{receiver.port}/pfad/ä?q=é&x=1"
+        registration = await service.register(TENANT, written)
+        stored = f"http://xn--bcher-kva.test:{receiver.port}/pfad/%C3%A4?q=%C3%A9&x=1"
+        assert registration.config.url == stored and registration.secret is not None
+        first = reference()
+        await hooks.finish(first)
+        deliverer = hooks.deliverer(allowed, resolve=resolve)
+        assert await deliverer.run_once() == 1
+        # Registered before the ASCII form was kept: put in it at delivery.
+        await hooks.store.set_url(TENANT, written)
+        second = reference()
+        await hooks.finish(second)
+        assert await deliverer.run_once() == 1
+        assert receiver.event_ids() == [f"evt_{first}", f"evt_{second}"]
+        for item in receiver.received:
+            assert item.target == "/pfad/%C3%A4?q=%C3%A9&x=1"
+            assert item.headers["host"] == f"xn--bcher-kva.test:{receiver.port}"
+            assert (
+                verify_webhook(registration.secret, item.headers, item.body)["type"]
+                == "transaction.completed"
+            )
+        assert set(asked) == {"xn--bcher-kva.test"}
+        assert [a.outcome for a in await hooks.service.deliveries(TENANT, 10)] == ["delivered", "delivered"]
+        with pytest.raises(ValidationFailed, match="internationalised"):
+            await service.register(TENANT, "https://☃.example/hook")
+        await receiver.stop()
+
+    run(scenario)
+
+
+def test_an_attempt_that_raises_counts_and_the_event_dies_on_schedule(redis_url: str, tmp_path: Path) -> None:
+    """Whatever an attempt raises is a failed attempt: logged, retried with the backoff, and the event is
+    dead once its window has passed (a short schedule, set through the settings)."""
+    short = WebhookSettings(
+        allowed_hosts=("127.0.0.1",),
+        retry_base_s=0.05,
+        retry_max_delay_s=0.2,
+        give_up_after_s=1.0,
+        total_timeout_s=2.0,
+        lease_s=4.0,
+    )
+    schedule = webhook_policy(
+        Settings(data_dir=tmp_path, auth=AuthSettings(secret_key=SecretStr(KEY)), webhooks=short)
+    )
+
+    async def broken_send(*_args: object) -> int:
+        raise RuntimeError("a sender that breaks")
+
+    async def scenario() -> None:
+        hooks = fresh(redis_url)
+        await hooks.store.set_url(TENANT, "http://127.0.0.1:9/in")
+        ref = reference()
+        await hooks.finish(ref)
+        outcomes: list[str] = []
+        deliverer = hooks.deliverer(schedule, send=broken_send, on_outcome=outcomes.append)
+
+        async def dead() -> bool:
+            return (await hooks.store.event_state(f"evt_{ref}")).get("state") == "dead"
+
+        await until(dead, deliverer.run_once)
+        assert outcomes[-1] == "dead" and set(outcomes[:-1]) == {"retried"} and len(outcomes) >= 2
+        log = await hooks.service.deliveries(TENANT, 50)
+        assert len(log) == len(outcomes)
+        assert all(a.error == "internal error: RuntimeError: a sender that breaks" for a in log)
+        state = await hooks.store.event_state(f"evt_{ref}")
+        final_at = int(state["final_at"]) / 1000
+        assert log[0].outcome == "dead" and log[0].at >= final_at + short.give_up_after_s
+        retries = [a for a in log if a.outcome == "retrying"]
+        assert all(a.next_attempt_at is not None for a in retries)
+        assert all(a.next_attempt_at <= final_at + short.give_up_after_s for a in retries)  # type: ignore[operator]
+
+    run(scenario)
+
+
+HUNG_HOST = "hung-resolver.test"
+
+
+def test_a_webhook_whose_name_server_hangs_delays_no_other_tenant(
+    redis_url: str, milvus_lite: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More events due than threads for an endpoint whose name never resolves, in one event loop with a
+    worker, as in a worker replica, and asyncio's default pool sized as on the 2-core machines the service
+    runs on (min(32, cores + 4) = 6 threads). Another tenant's age estimations are created and completed
+    through the worker all the same (upload checks, blob reads and decoding use the default pool), and
+    each webhook attempt fails when resolving times out."""
+    released = threading.Event()
+    lookups: list[str] = []
+    system_getaddrinfo = socket.getaddrinfo
+
+    def getaddrinfo(host: Any, *args: Any, **kwargs: Any) -> Any:
+        if host == HUNG_HOST:
+            lookups.append(host)
+            released.wait(HANG_GUARD_S)  # a name server that never answers, until the test ends
+            raise socket.gaierror(socket.EAI_AGAIN, "the name server did not answer")
+        return system_getaddrinfo(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    settings = Settings(
+        data_dir=tmp_path,
+        redis=RedisSettings(url=redis_url, key_prefix=f"h{uuid.uuid4().hex[:6]}:"),
+        milvus=MilvusSettings(uri=milvus_lite, token=""),
+        auth=AuthSettings(secret_key=SecretStr(KEY)),
+        webhooks=WebhookSettings(
+            connect_timeout_s=0.5, total_timeout_s=1.0, lease_s=5.0, retry_base_s=0.1, retry_max_delay_s=0.2
+        ),
+    )
+    other_tenant = "cl_76543210fedcba9876543210"
+    analysis = ScriptedAnalysis({RED: [face(embedding(1), age=40)]})
+
+    async def scenario() -> None:
+        default_pool = ThreadPoolExecutor(max_workers=6)
+        asyncio.get_running_loop().set_default_executor(default_pool)
+        redis = connect_redis(redis_url)
+        prefix = settings.redis.key_prefix
+        transactions = RedisTransactionStore(redis, prefix=prefix)
+        records = RedisFaceRecordStore(redis, prefix=prefix)
+        blobs = LocalBlobStore(tmp_path / "blobs")
+        await webhook_store(settings, redis).set_url(TENANT, f"https://{HUNG_HOST}/hook")
+        for _ in range(settings.webhooks.batch + 4):  # more events than either pool has threads
+            await finish(transactions, TENANT, reference())
+        deliverer = build_deliverer(settings, redis, transactions, records, result_archive(settings))
+        # The real gallery of the service (age estimations that enrol nothing never reach it).
+        gallery = gallery_store(settings, redis)
+        processor = TransactionProcessor(transactions, records, gallery, blobs, analysis, TEST_POLICY)
+        worker_policy = WorkerPolicy(concurrency=4, stale_after_s=30, max_deliveries=3, claim_block_ms=50)
+        worker = QueueWorker("worker-beside-webhooks", transactions, processor, worker_policy)
+        stop = asyncio.Event()
+        tasks = [asyncio.create_task(deliverer.run(stop)), asyncio.create_task(worker.run(stop))]
+        try:
+
+            async def pool_taken() -> bool:  # as many resolutions hang as the default pool has threads
+                return len(lookups) >= 6
+
+            await until(pool_taken, idle)
+            service = TransactionService(transactions, blobs, 40_000_000)
+
+            async def estimate_ages() -> list[Transaction]:
+                created = [
+                    await service.create_age_estimation(
+                        AgeEstimationCommand(other_tenant, solid_png(RED), enroll_face=False)
+                    )
+                    for _ in range(4)
+                ]
+
+                async def all_final() -> bool:
+                    found = [await transactions.get(tx.reference_id) for tx in created]
+                    return all(tx is not None and tx.state.is_final for tx in found)
+
+                await until(all_final, idle)
+                return [tx for tx in [await transactions.get(tx.reference_id) for tx in created] if tx]
+
+            try:  # a hang guard, not a speed bound: on a starved pool they never end
+                final = await asyncio.wait_for(estimate_ages(), 30)
+            except TimeoutError:
+                raise AssertionError(
+                    "another tenant's transactions waited for a webhook's resolver"
+                ) from None
+            assert [(tx.state.value, tx.result) for tx in final] == [("completed", final[0].result)] * 4
+            assert isinstance(final[0].result, AgeEstimationOutcome) and final[0].result.age == 40
+            hooks = webhook_store(settings, redis)
+
+            async def attempted() -> bool:
+                return bool(await hooks.deliveries(TENANT, 1))
+
+            await until(attempted, idle)
+            log = await hooks.deliveries(TENANT, 50)
+            assert all(a.outcome == "retrying" for a in log)
+            assert all(a.error == f"resolving {HUNG_HOST} timed out after 0.5 s" for a in log)
+            assert not released.is_set()  # every resolution of the host was still hanging meanwhile
+        finally:
+            released.set()
+            stop.set()
+            await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
+            await redis.aclose()
+
+    run(scenario)
+
+
+def test_an_answer_whose_head_passes_the_cap_fails_the_attempt(redis_url: str) -> None:
+    """The status line and headers are read up to max_response_bytes (never the body): a 2xx whose head is
+    longer is a failed attempt, retried."""
+
+    async def scenario() -> None:
+        async def bloated(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nX-Padding: " + b"a" * 20_000 + b"\r\nContent-Length: 0\r\n\r\n")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(bloated, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        hooks = fresh(redis_url)
+        await hooks.service.register(TENANT, f"http://127.0.0.1:{port}/in")
+        await hooks.finish(reference())
+        await hooks.deliverer(policy(max_response_bytes=16 * 1024)).run_once()
+        (attempt,) = await hooks.service.deliveries(TENANT, 10)
+        assert attempt.outcome == "retrying" and attempt.status_code is None
+        assert attempt.error == "the answer's head is longer than the response cap"
         server.close()
 
     run(scenario)

@@ -17,12 +17,12 @@ from pydantic import SecretStr
 from serve_app.domain.outcomes import AgeEstimationOutcome
 from serve_app.domain.transactions import Transaction, TransactionKind, TransactionState
 from serve_app.pipelines.transactions import TransactionService
-from serve_app.pipelines.webhooks import WebhookDeliverer, WebhookPolicy, WebhookService
+from serve_app.pipelines.webhooks import Resolve, WebhookDeliverer, WebhookPolicy, WebhookService
 from serve_app.settings import AuthSettings, Settings
 from serve_app.stores.redis_support import connect_redis
 from serve_app.stores.redis_transactions import RedisTransactionStore
 from serve_app.stores.redis_webhooks import RedisWebhookStore, SecretCipher
-from serve_app.wiring.webhooks import result_renderer
+from serve_app.wiring.webhooks import result_renderer, webhook_resolver
 from tests.unit.fakes import FakeBlobStore
 
 KEY = "webhook-test-key-0123456789abcdef"
@@ -55,6 +55,7 @@ def policy(**overrides: float | int | frozenset[str]) -> WebhookPolicy:
 class Received:
     headers: dict[str, str]
     body: bytes
+    target: str = ""  # the request line's target, as it came
 
 
 @dataclass
@@ -88,13 +89,14 @@ class Receiver:
         try:
             head = await reader.readuntil(b"\r\n\r\n")
             lines = head.decode("latin-1").split("\r\n")
+            target = lines[0].split(" ")[1] if lines[0].count(" ") == 2 else ""
             headers = {}
             for line in lines[1:]:
                 if ":" in line:
                     name, _, value = line.partition(":")
                     headers[name.strip().lower()] = value.strip()
             body = await reader.readexactly(int(headers.get("content-length", "0")))
-            self.received.append(Received(headers, body))
+            self.received.append(Received(headers, body, target))
             self.arrived.set()
             delay, status = self.answer(len(self.received))
             if delay is None:
@@ -123,6 +125,7 @@ class Pipeline:
     transactions: RedisTransactionStore
     store: RedisWebhookStore
     service: WebhookService
+    resolve: Resolve  # the system's resolver on a pool of its own, as the wiring builds it
 
     def deliverer(self, policy: WebhookPolicy, **kwargs: object) -> WebhookDeliverer:
         reader = TransactionService(self.transactions, FakeBlobStore(), 10_000_000)
@@ -131,29 +134,36 @@ class Pipeline:
             tx = await self.transactions.get(reference_id)
             return await reader.readable(tx) if tx is not None and tx.tenant_id == tenant else None
 
+        kwargs.setdefault("resolve", self.resolve)
         return WebhookDeliverer(self.store, load, result_renderer(settings()), policy, **kwargs)  # type: ignore[arg-type]
 
     async def finish(self, reference_id: str, *, fail: bool = False) -> None:
         """Create a transaction of the tenant and make it final, as a worker does."""
-        now = time.time()
-        tx = Transaction(
-            reference_id=reference_id,
-            tenant_id=TENANT,
-            kind=TransactionKind.AGE_ESTIMATION,
-            state=TransactionState.QUEUED,
-            created_at=now,
-            updated_at=now,
-            image_key=f"uploads/{TENANT}/{reference_id}",
-            enroll_face=False,
-        )
-        await self.transactions.create_and_enqueue(tx)
-        await self.transactions.mark_processing(reference_id)
-        if fail:
-            await self.transactions.fail(reference_id, "no face found")
-        else:
-            await self.transactions.complete(
-                reference_id, AgeEstimationOutcome(age=31, under_18=0, under_21=0)
-            )
+        await finish(self.transactions, TENANT, reference_id, fail=fail)
+
+
+async def finish(
+    transactions: RedisTransactionStore, tenant: str, reference_id: str, *, fail: bool = False
+) -> None:
+    """Create an age estimation of the tenant and make it final, as a worker does (its event is queued
+    when the tenant has a webhook)."""
+    now = time.time()
+    tx = Transaction(
+        reference_id=reference_id,
+        tenant_id=tenant,
+        kind=TransactionKind.AGE_ESTIMATION,
+        state=TransactionState.QUEUED,
+        created_at=now,
+        updated_at=now,
+        image_key=f"uploads/{tenant}/{reference_id}",
+        enroll_face=False,
+    )
+    await transactions.create_and_enqueue(tx)
+    await transactions.mark_processing(reference_id)
+    if fail:
+        await transactions.fail(reference_id, "no face found")
+    else:
+        await transactions.complete(reference_id, AgeEstimationOutcome(age=31, under_18=0, under_21=0))
 
 
 def pipeline(redis_url: str, prefix: str, webhook_policy: WebhookPolicy) -> Pipeline:
@@ -161,7 +171,8 @@ def pipeline(redis_url: str, prefix: str, webhook_policy: WebhookPolicy) -> Pipe
     transactions = RedisTransactionStore(redis, prefix=prefix)
     cipher = SecretCipher(settings().auth.key_ring().for_purpose("webhook-secret"))
     store = RedisWebhookStore(redis, cipher, prefix=prefix, log_size=50, event_retention_s=3600)
-    return Pipeline(transactions, store, WebhookService(store, webhook_policy))
+    resolve = webhook_resolver(2, "webhook-test-dns")
+    return Pipeline(transactions, store, WebhookService(store, webhook_policy, resolve), resolve)
 
 
 async def _child(redis_url: str, prefix: str) -> None:

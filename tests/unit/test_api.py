@@ -421,6 +421,122 @@ def test_prefer_wait_is_capped_and_unknown_preferences_are_ignored(prefer: str, 
     asyncio.run(scenario())
 
 
+async def create_search_preferring_wait(
+    api: Api, http: httpx.AsyncClient, color: Color, prefer: str, **headers: str
+) -> httpx.Response:
+    return await http.post(
+        "/face-search",
+        data={"type": "face_search", "client_reference": "customer-1"},
+        files=png_upload(color),
+        headers={**api.headers(), "Prefer": prefer, **headers},
+    )
+
+
+def test_a_create_with_prefer_wait_answers_the_final_result_in_its_own_response() -> None:
+    async def scenario() -> None:
+        world, api, worker = await api_with_worker_for_a_34_year_old()
+        stop = asyncio.Event()
+        task = asyncio.create_task(worker.run(stop))
+        try:
+            async with api.http() as http:
+                search = await create_search_preferring_wait(api, http, GREEN, "wait=4")
+                age = await http.post(
+                    "/age-estimation",
+                    data={"type": "age_estimation"},
+                    files=png_upload(GREEN),
+                    headers={**api.headers(), "Prefer": "wait=4"},
+                )
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 5)
+        assert search.status_code == 200, search.text
+        assert search.headers["Preference-Applied"] == "wait=4"
+        data = search.json()["result"]["data"]
+        assert set(data) == {"service_reference_id", "client_reference", "face_search_response"}
+        assert data["client_reference"] == "customer-1"
+        assert data["face_search_response"]["result"]["is_face_found"] is True
+        reference_id = data["service_reference_id"]
+        assert world.transactions.peek(reference_id).state is TransactionState.COMPLETED
+        assert age.status_code == 200, age.text
+        assert age.headers["Preference-Applied"] == "wait=4"
+        age_data = age.json()["result"]["data"]
+        assert (age_data["age"], age_data["under_18"]) == (34, 0)
+        # One wait each, of the preferred length, ended by the final state.
+        assert world.transactions.waits == [(reference_id, 4.0, True), (age_data["reference_id"], 4.0, True)]
+
+    asyncio.run(scenario())
+
+
+def test_a_create_whose_result_is_not_ready_in_time_answers_the_create_envelope() -> None:
+    async def scenario() -> None:
+        api = await build_api(wait_for_result_timeout_s=0.3)  # no worker: the transaction stays queued
+        async with api.http() as http:
+            search = await create_search_preferring_wait(api, http, RED, "wait=10")
+            plain = await http.post(
+                "/face-search", data={"type": "face_search"}, files=png_upload(RED), headers=api.headers()
+            )
+            age = await http.post(
+                "/age-estimation",
+                data={"type": "age_estimation"},
+                files=png_upload(RED),
+                headers={**api.headers(), "Prefer": "wait=10"},
+            )
+        for response in (search, age):
+            assert response.status_code == 200, response.text
+            assert response.headers["Preference-Applied"] == "wait=0.3"  # capped by the server's bound
+            assert set(response.json()["result"]["data"]) == {"reference_id"}
+            assert "created" in response.json()["message"]
+        assert plain.status_code == 200 and "Preference-Applied" not in plain.headers
+        waited = [search, age]
+        references = [response.json()["result"]["data"]["reference_id"] for response in waited]
+        # The preferred waits ran out (capped); the create without the preference did not wait at all.
+        assert api.world.transactions.waits == [(reference, 0.3, False) for reference in references]
+
+    asyncio.run(scenario())
+
+
+def test_prefer_wait_sets_how_long_wait_for_result_waits() -> None:
+    async def scenario() -> None:
+        api = await build_api(wait_for_result_timeout_s=5.0)  # no worker: the transaction stays queued
+        async with api.http() as http:
+            response = await http.post(
+                "/age-estimation",
+                data={"type": "age_estimation", "wait_for_result": "1"},
+                files=png_upload(GREEN),
+                headers={**api.headers(), "Prefer": "wait=1"},
+            )
+        # wait_for_result=1 keeps its answer for a pending result (202); the preference its length.
+        assert response.status_code == 202, response.text
+        assert response.headers["Preference-Applied"] == "wait=1"
+        reference_id = response.json()["result"]["data"]["reference_id"]
+        assert api.world.transactions.waits == [(reference_id, 1.0, False)]
+
+    asyncio.run(scenario())
+
+
+def test_a_retried_create_with_its_key_and_prefer_wait_answers_the_same_transactions_result() -> None:
+    async def scenario() -> None:
+        world, api, worker = await api_with_worker_for_a_34_year_old()
+        stop = asyncio.Event()
+        task = asyncio.create_task(worker.run(stop))
+        key = {"Idempotency-Key": '"retry-me-1"'}
+        try:
+            async with api.http() as http:
+                first = await create_search_preferring_wait(api, http, GREEN, "wait=4", **key)
+                again = await create_search_preferring_wait(api, http, GREEN, "wait=4", **key)
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 5)
+        assert first.status_code == again.status_code == 200, again.text
+        reference_id = first.json()["result"]["data"]["service_reference_id"]
+        assert again.json()["result"]["data"]["service_reference_id"] == reference_id
+        first_result = first.json()["result"]["data"]["face_search_response"]
+        assert again.json()["result"]["data"]["face_search_response"] == first_result
+        assert (await world.transactions.count_by_state())["completed"] == 1  # created once
+
+    asyncio.run(scenario())
+
+
 def test_client_secret_header_and_form_bodies_work_on_result() -> None:
     async def scenario() -> None:
         api = await build_api()
@@ -469,3 +585,27 @@ def test_healthz_needs_no_credentials() -> None:
         assert response.json() == {"status": True}
 
     asyncio.run(scenario())
+
+
+def test_openapi_documents_prefer_wait_on_the_creates() -> None:
+    async def scenario() -> dict[str, Any]:
+        api = await build_api()
+        async with api.http() as http:
+            return dict((await http.get("/openapi.json")).json())
+
+    document = asyncio.run(scenario())
+    schemas = document["components"]["schemas"]
+    for path, result_data in (("/face-search", "FaceSearchData"), ("/age-estimation", "AgeData")):
+        operation = document["paths"][path]["post"]
+        prefer = [p for p in operation["parameters"] if p["in"] == "header" and p["name"] == "Prefer"]
+        assert len(prefer) == 1 and "wait=" in prefer[0]["description"]
+        created = operation["responses"]["200"]
+        assert "Preference-Applied" in created["headers"]
+        # The 200 body is the create's envelope or the result itself (or the failed-transaction envelope).
+        body = created["content"]["application/json"]["schema"]
+        names = {ref["$ref"].rsplit("/", 1)[1] for ref in body["anyOf"]}
+        assert "FailedTransaction" in names
+        envelope = next(name for name in names if name.startswith("Envelope"))
+        data = schemas[envelope]["properties"]["result"]["$ref"].rsplit("/", 1)[1]
+        inner = schemas[data]["properties"]["data"]["anyOf"]
+        assert {ref["$ref"].rsplit("/", 1)[1] for ref in inner} == {"CreatedData", result_data}

@@ -180,3 +180,47 @@ def test_a_row_whose_submission_went_unanswered_is_sent_again_with_its_key(tmp_p
     assert len(service.created) == 1 and len(service.uploads) == 1
     done = json.loads(state.read_text().splitlines()[-1])
     assert done["status"] == "done" and done["reference_id"] == next(iter(service.created.values()))
+
+
+class OneRequestService(Service):
+    """Answers a create that carries `Prefer: wait` with its result, as the service does when it is final in
+    time; counts the /result polls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.polls = 0
+        self.preferences: list[str] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/result":
+            self.polls += 1
+        answer = super().__call__(request)
+        if request.url.path != "/face-search" or answer.status_code != 200:
+            return answer
+        self.preferences.append(request.headers.get("prefer", ""))
+        reference_id = answer.json()["result"]["data"]["reference_id"]
+        data = {
+            "service_reference_id": reference_id,
+            "client_reference": "x",
+            "face_search_response": {"result": {"matched_faces": [], "is_face_found": True}},
+        }
+        return httpx.Response(200, json=envelope(data), headers={"Preference-Applied": "wait=10"})
+
+
+def test_each_row_is_one_request_when_its_result_is_ready_in_time(tmp_path: Path) -> None:
+    for name in ("a-0001", "b-0002"):
+        (tmp_path / f"{name}.jpg").write_bytes(b"\xff\xd8 " + name.encode())
+    state, failures = tmp_path / "state.jsonl", tmp_path / "failures.csv"
+    service = OneRequestService()
+
+    async def run() -> bulk.Summary:
+        async with client(service) as api:
+            return await bulk.enroll(api, bulk.enrolment_rows(tmp_path), state, failures, progress=False)
+
+    summary = asyncio.run(run())
+    assert (summary.done, summary.failed) == (2, 0)
+    assert service.preferences == ["wait=10", "wait=10"] and service.polls == 0
+    entries = [json.loads(line) for line in state.read_text().splitlines()]
+    done = {entry["reference_id"] for entry in entries if entry["status"] == "done"}
+    submitted = {entry["reference_id"] for entry in entries if entry["status"] == "submitted"}
+    assert done == submitted == set(service.results)  # each row's own transaction, recorded before done

@@ -215,6 +215,45 @@ def test_short_polling_and_a_failed_transaction() -> None:
     assert slept == [0.05]
 
 
+def test_a_search_is_one_request_when_the_result_is_ready_in_time() -> None:
+    service = Service()
+    api, slept = client(service)
+    service.queue(
+        "/face-search",
+        httpx.Response(503, json=error("down"), headers={"Retry-After": "1"}),
+        httpx.Response(200, json=envelope(SEARCH_DATA)),
+    )
+    result = api.search(b"\xff\xd8 jpeg", client_reference="customer-1")
+    assert isinstance(result, FaceSearchResult) and result.reference_id == REF
+    assert result.matches[0].client_reference == "customer-9"
+    assert service.sent("/result") == []  # the create's own answer carried the result
+    first, retry = service.sent("/face-search")
+    assert first.headers["prefer"] == retry.headers["prefer"] == "wait=10"
+    # The retry is the same logical request: the service answers it with the same transaction's result.
+    assert first.headers["idempotency-key"] == retry.headers["idempotency-key"]
+    assert slept == [1.0]
+
+
+def test_face_search_answers_the_reference_when_not_final_in_time_and_raises_for_a_failed_one() -> None:
+    service = Service()
+    api, _ = client(service)
+    failed = {
+        "status": False,
+        "message": "The transaction failed: bad image",
+        "errors": {"transaction": "x"},
+        "result": {"data": {"reference_id": REF, "state": "failed"}},
+    }
+    service.queue(
+        "/face-search",
+        httpx.Response(200, json=envelope({"reference_id": REF})),
+        httpx.Response(200, json=failed),
+    )
+    assert api.face_search(b"\xff\xd8 jpeg", wait_s=3) == REF
+    assert service.sent("/face-search")[0].headers["prefer"] == "wait=3"
+    with pytest.raises(TransactionFailed):
+        api.face_search(b"\xff\xd8 jpeg")
+
+
 def test_requests_are_shaped_as_the_interface_says(tmp_path: Any) -> None:
     service = Service()
     api, _ = client(service)
@@ -300,6 +339,9 @@ def test_async_client_does_the_same() -> None:
             assert isinstance(result, FaceSearchResult) and result.reference_id == REF
             assert slept == [2.0]
             assert service.logins == 2
+            # Created but not final within the create's wait: then long polls of /result.
+            assert service.sent("/face-search")[-1].headers["prefer"] == "wait=10"
+            assert [poll.headers["prefer"] for poll in service.sent("/result")] == ["wait=10"] * 3
             service.queue(
                 "/result", httpx.Response(202, json=envelope({"reference_id": REF, "state": "queued"}))
             )

@@ -15,7 +15,8 @@ import pytest
 import facesearch_client.models as client
 from serve_app.api.app import create_app
 from serve_app.domain.gallery import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE
-from tests.unit.fakes import World, build_api
+from serve_app.pipelines.webhooks import WebhookPolicy, WebhookService
+from tests.unit.fakes import FakeWebhookStore, World, build_api
 from tests.unit.test_gallery import _with_gallery, service
 
 Schema = dict[str, Any]
@@ -66,9 +67,16 @@ def document() -> Schema:
     async def build() -> Schema:
         world = World()
         api = await build_api(world)
-        return create_app(_with_gallery(api.services, service(world))).openapi()
+        services = _with_gallery(api.services, service(world))
+        # The webhook routes too (their delivery log pages by the same rule), on the fake store.
+        webhooks = WebhookService(FakeWebhookStore(), WebhookPolicy(), unresolved)
+        return create_app(dataclasses.replace(services, webhooks=webhooks)).openapi()
 
     return asyncio.run(build())
+
+
+async def unresolved(host: str, port: int) -> list[str]:
+    return []
 
 
 def resolve(document: Schema, schema: Schema) -> Schema:
@@ -171,7 +179,7 @@ def test_a_match_is_the_documented_quadruple(document: Schema) -> None:
 def test_the_page_size_rule_is_the_documented_one(document: Schema) -> None:
     """The schema of `limit` is generated from the service's constants, and the client pages with its
     maximum."""
-    for path in ("/gallery/faces", "/gallery/audit"):
+    for path in ("/gallery/faces", "/gallery/audit", "/webhook/deliveries"):
         parameters = document["paths"][path]["get"]["parameters"]
         limit = next(parameter for parameter in parameters if parameter["name"] == "limit")["schema"]
         assert limit["default"] == DEFAULT_PAGE_SIZE

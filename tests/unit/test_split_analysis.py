@@ -58,7 +58,11 @@ def test_only_the_needed_deployments_are_called_with_aligned_chips(photo: np.nda
     assert [name for name, _ in calls] == ["detect", "embed"]  # face search: no age model
     chips = calls[1][1]
     assert isinstance(chips, DescriptorChips)
-    assert chips.dlib.shape[1:] == (150, 150, 3) and chips.sface.shape[1:] == (112, 112, 3)
+    assert (
+        chips.dlib is not None
+        and chips.dlib.shape[1:] == (150, 150, 3)
+        and chips.sface.shape[1:] == (112, 112, 3)
+    )
     assert chips.dlib.dtype == chips.sface.dtype == np.uint8
 
     calls.clear()

@@ -16,14 +16,13 @@ from serve_app.api.json_response import JSONResponse
 from serve_app.api.request_models import InterfaceBody, Problem, rule, validate_body
 from serve_app.api.response_models import Envelope, envelope, error_responses, respond
 from serve_app.api.routes.bodies import request_body
-from serve_app.api.routes.gallery import iso
-from serve_app.domain.webhooks import MAX_URL_LENGTH
+from serve_app.api.routes.gallery import PageSize, iso
+from serve_app.domain.gallery import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE
+from serve_app.domain.webhooks import MAX_URL_LENGTH, DeliveryAttempt, WebhookConfig
 from serve_app.pipelines.webhooks import WebhookService
-from serve_app.stores.redis_webhooks import DeliveryAttempt, WebhookConfig
 
 TAG = "webhooks (extension)"
 _MAX_BODY_BYTES = 4096
-MAX_LOG_ENTRIES = 100
 
 WebhookUrlText = Annotated[
     str,
@@ -39,17 +38,6 @@ EventId = Annotated[
         Annotated[str, StringConstraints(pattern=r"^evt_[0-9a-f]{32}$")],
         Problem("event_id is not a valid event id.", "must be evt_ followed by 32 hex digits"),
         field="event_id",
-    ),
-]
-LogLimit = Annotated[
-    int,
-    rule(
-        Annotated[int, Field(ge=1, le=MAX_LOG_ENTRIES)],
-        Problem(f"limit must be between 1 and {MAX_LOG_ENTRIES}.", f"must be 1 to {MAX_LOG_ENTRIES}"),
-        field="limit",
-        parse=lambda value: (
-            int(value) if isinstance(value, str) and value.isdigit() and len(value) < 4 else value
-        ),
     ),
 ]
 
@@ -188,7 +176,10 @@ def router() -> APIRouter:
     async def deliveries(
         tenant: Tenant,
         services: Services,
-        limit: Annotated[LogLimit, Query(description=f"1 to {MAX_LOG_ENTRIES}")] = 20,
+        limit: Annotated[
+            PageSize,
+            Query(description=f"how many, 1 to {MAX_PAGE_SIZE} (the log keeps FACESEARCH_WEBHOOK_LOG_SIZE)"),
+        ] = DEFAULT_PAGE_SIZE,
     ) -> JSONResponse:
         log = await _webhooks(services).deliveries(tenant, limit)
         return respond(envelope("Webhook deliveries.", DeliveryLog(deliveries=[delivery(a) for a in log])))

@@ -8,12 +8,13 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import aiohttp
 import httpx
 from aiohttp import web
 
-from bench.load_client import AiohttpFaceSearchClient
+from bench.load_client import AiohttpFaceSearchClient, Credentials, LoadGenerator, PhaseResult, split
 from facesearch_client import AgeResult, FaceSearchResult, Pending
 from tests.unit.test_client import (
     CLIENT_ID,
@@ -97,3 +98,54 @@ def test_the_sdk_behaves_the_same_over_aiohttp() -> None:
             assert b'filename="image.jpg"' in upload.content and b"\xff\xd8 jpeg" in upload.content
 
     asyncio.run(scenario())
+
+
+def test_split_spreads_clients_over_processes_without_empty_parts() -> None:
+    assert split(8, 4) == [2, 2, 2, 2]
+    assert split(10, 4) == [3, 3, 2, 2]
+    assert split(3, 4) == [1, 1, 1]  # fewer clients than processes: only as many processes as clients
+    assert split(1, 1) == [1]
+
+
+async def _answer_every_search(request: web.Request) -> web.Response:
+    """A service that logs anyone in and answers every create with its result (Prefer: wait honoured)."""
+    if request.path == "/request-access-token":
+        return web.json_response(envelope({"token": "t", "token_type": "Bearer", "expires_in": 900}))
+    assert request.path == "/face-search" and request.headers["Prefer"] == "wait=10"
+    data = {
+        "service_reference_id": REF,
+        "client_reference": "x",
+        "face_search_response": {"result": {"matched_faces": [], "is_face_found": True}},
+    }
+    return web.json_response(envelope(data), headers={"Preference-Applied": "wait=10"})
+
+
+def test_the_load_generator_spreads_a_phase_over_its_processes(tmp_path: Path) -> None:
+    photo = tmp_path / "face.jpg"
+    photo.write_bytes(b"\xff\xd8 jpeg")
+
+    async def scenario() -> PhaseResult:
+        app = web.Application()
+        app.router.add_route("*", "/{path:.*}", _answer_every_search)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        base_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        try:
+            # The generator's calls block on its pipes: off this loop, which serves the requests.
+            return await asyncio.to_thread(run_one_phase, base_url, photo)
+        finally:
+            await runner.cleanup()
+
+    phase = asyncio.run(scenario())
+    assert phase.per_process == [2, 1]  # 3 clients over 2 processes
+    assert len(phase.latencies) == 12 and phase.failures == 0
+    assert phase.client_cpu_s > 0 and phase.busiest_client_share > 0
+    assert phase.elapsed_s >= max(phase.latencies)
+
+
+def run_one_phase(base_url: str, photo: Path) -> PhaseResult:
+    with LoadGenerator(base_url, Credentials(CLIENT_ID, SECRET), [photo], [photo], processes=2) as load:
+        assert len(load.pids) == 2
+        return load.run("face-search (one request)", requests=12, concurrency=3, timeout_s=60)

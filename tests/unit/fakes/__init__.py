@@ -10,7 +10,10 @@ They honour the Protocol semantics the pipelines rely on:
   similarity, best first;
 - records: reference_lock is a real mutual-exclusion lock per (tenant, client_reference); the latest face of
   a reference is the one with the newest created_at (of equal ones, the greatest face_id);
-- rate limiter: fixed windows counting every hit, like the Redis limiter.
+- rate limiter: fixed windows counting every hit, like the Redis limiter;
+- webhooks: the fake transaction store queues a completion event when it makes a transaction final and the
+  tenant has an endpoint; a claim leases its events for the time given, and a settle by a claim that
+  was overtaken is logged but changes nothing.
 
 tests/contracts/ runs one suite per store interface against each fake here and its real store, so a fake
 that drifts from the real store fails there: change a fake together with its contract test.
@@ -41,6 +44,7 @@ from tests.unit.fakes.models import (
 )
 from tests.unit.fakes.records import FakeFaceRecordStore, NonExclusiveRecordStore
 from tests.unit.fakes.transactions import FakeTransactionStore
+from tests.unit.fakes.webhooks import FakeWebhookStore
 from tests.unit.fakes.work_queue import FakeWorkQueue
 from tests.unit.fakes.world import (
     SERVICE_SECRET,
@@ -68,6 +72,7 @@ __all__ = [
     "FakeRateLimiter",
     "FakeRequestAdmission",
     "FakeTransactionStore",
+    "FakeWebhookStore",
     "FakeWorkQueue",
     "Faults",
     "ManualClock",

@@ -21,6 +21,7 @@ class FakeClientStore:
         self._pepper = pepper
         self._clients: dict[str, ClientInfo] = {}
         self._hashes: dict[str, bytes] = {}  # client_id -> keyed hash of the secret
+        self._default_min_score: float | None = None
 
     def _hash(self, secret: str) -> bytes:
         return hmac.new(self._pepper, secret.encode("utf-8", "surrogatepass"), hashlib.sha256).digest()
@@ -77,6 +78,14 @@ class FakeClientStore:
         updated = dataclasses.replace(client, min_score=min_score, max_matches=max_matches)
         self._clients[client_id] = updated
         return updated
+
+    async def default_min_score(self) -> float | None:
+        await asyncio.sleep(0)
+        return self._default_min_score
+
+    async def set_default_min_score(self, min_score: float | None) -> None:
+        await asyncio.sleep(0)
+        self._default_min_score = min_score
 
 
 class FakeRequestAdmission:

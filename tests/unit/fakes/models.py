@@ -27,15 +27,12 @@ def at_cosine(base: np.ndarray, cosine: float, seed: int = 0) -> np.ndarray:
 
 
 def age_estimate(age: int) -> AgeEstimate:
-    under_18 = 100 if age < 16 else 50 if age < 20 else 0
-    under_21 = 100 if age < 19 else 50 if age < 23 else 0
+    """The model's estimate of a face of this age (the flags are models.age_policy's)."""
     return AgeEstimate(
         age=age,
         expected_age=float(age),
-        p_under_18=under_18 / 100,
-        p_under_21=under_21 / 100,
-        under_18=under_18,
-        under_21=under_21,
+        p_under_18=1.0 if age < 16 else 0.5 if age < 20 else 0.0,
+        p_under_21=1.0 if age < 19 else 0.5 if age < 23 else 0.0,
     )
 
 

@@ -14,19 +14,23 @@ from serve_app.domain.outcomes import Outcome
 from serve_app.domain.transactions import Transaction, TransactionState
 from serve_app.stores.outcome_codec import outcome_fields, outcome_from_fields
 from tests.unit.fakes.common import Faults, _encodable
+from tests.unit.fakes.webhooks import FakeWebhookStore
 from tests.unit.fakes.work_queue import FakeWorkQueue
 
 
 class FakeTransactionStore:
-    """Transactions by reference id; create_and_enqueue also adds the entry to `queue`."""
+    """Transactions by reference id; create_and_enqueue also adds the entry to `queue`, and making one final
+    queues its completion event in `webhooks` (when given) for a tenant with an endpoint."""
 
     def __init__(
         self,
         queue: FakeWorkQueue | None = None,
         faults: Faults | None = None,
         clock: Callable[[], float] = time.time,
+        webhooks: FakeWebhookStore | None = None,
     ) -> None:
         self.queue = queue if queue is not None else FakeWorkQueue(faults)
+        self.webhooks = webhooks
         self._faults = faults or Faults()
         self._clock = clock
         # (reference_id, timeout asked for, whether it ended on a final state) per wait_final call: what a
@@ -93,6 +97,8 @@ class FakeTransactionStore:
         tx.result = result
         tx.error = error
         tx.updated_at = self._clock()
+        if self.webhooks is not None:  # in the same step, as the Redis store's final write does
+            self.webhooks.queue_completion(tx.tenant_id, reference_id, state.value, tx.updated_at)
         return True
 
     async def wait_final(

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 from pathlib import Path
@@ -24,7 +23,6 @@ from models.age_policy import (
     age_faces,
     conformal_quantile,
     decide_age,
-    subject_age,
 )
 from models.analyzer import FaceAnalyzer, ModelConfig, load_face_analyzer
 from models.types import AgeEstimate, AnalyzedFace, DetectedFace, FaceQuality
@@ -80,10 +78,7 @@ RULE = _rule()
 
 
 def _estimate(age: float) -> AgeEstimate:
-    # The runner's own band flags (99) are not what decides: the interval rule sets both flags.
-    return AgeEstimate(
-        age=round(age), expected_age=float(age), p_under_18=0.0, p_under_21=0.0, under_18=99, under_21=99
-    )
+    return AgeEstimate(age=round(age), expected_age=float(age), p_under_18=0.0, p_under_21=0.0)
 
 
 ADULT = _estimate(40)
@@ -129,7 +124,7 @@ def _face(age: AgeEstimate | None, side: float = 100.0, x: float = 0.0, **qualit
 
 def _flags(decision: AgeDecision | None) -> tuple[int, int]:
     assert decision is not None
-    return decision.estimate.under_18, decision.estimate.under_21
+    return decision.under_18, decision.under_21
 
 
 def test_age_faces_are_the_subject_then_comparable_faces_largest_first() -> None:
@@ -186,7 +181,8 @@ def test_flags_follow_the_interval_ends() -> None:
         interval = decision.intervals[18]
         assert (interval.low, interval.high) == pytest.approx((estimate - 10.0, estimate + 3.0))
     assert decide_age([], RULE) is None and decide_age([_face(None)], RULE) is None
-    assert subject_age([_face(ADULT)], RULE) == dataclasses.replace(ADULT, under_18=0, under_21=0)
+    adult = decide_age([_face(ADULT)], RULE)
+    assert adult is not None and adult.estimate == ADULT and _flags(adult) == (0, 0)  # the estimate as made
 
 
 def test_a_stricter_rate_widens_the_interval() -> None:
@@ -349,7 +345,7 @@ def cleared_adult(faces_dev: FacesDev, analyzer: FaceAnalyzer) -> np.ndarray:
         if item.age is None or item.age < 30:
             continue
         image = _square(_pixels(item.path), 240)
-        age = subject_age(analyzer.analyze([image])[0], COMMITTED)
+        age = decide_age(analyzer.analyze([image])[0], COMMITTED)
         if age is not None and age.under_18 == 0:
             return image
     raise AssertionError("no dev adult of 30+ is cleared on their own: the interval rule is too cautious")
@@ -363,7 +359,7 @@ def cleared_adults(faces_dev: FacesDev, analyzer: FaceAnalyzer) -> list[np.ndarr
         if item.age is None or item.age < 30:
             continue
         image = _square(_pixels(item.path), 240)
-        age = subject_age(analyzer.analyze([image])[0], COMMITTED)
+        age = decide_age(analyzer.analyze([image])[0], COMMITTED)
         if age is not None and age.under_18 == 0 and age.under_21 == 0:
             found.append(image)
         if len(found) == 2:
@@ -416,7 +412,7 @@ def test_a_child_held_by_an_adult_gets_no_0(
     # The adult is the subject and would be cleared; the child's face, estimated too, withholds the 0.
     assert _flags(decide_age([subject], COMMITTED))[0] == 0
     assert other.age is not None and _flags(decide_age([other], COMMITTED))[0] != 0
-    assert decision.estimate.under_18 == 50 and decision.estimate.under_21 == 50
+    assert decision.under_18 == 50 and decision.under_21 == 50
     assert decision.reason == "another_face"
 
 
@@ -427,7 +423,7 @@ def test_a_second_comparable_face_that_could_be_a_minor_withholds_the_zero(
     # not say "adult" when it may be the child the photo is about.
     faces, decision = _decide(analyzer, _side_by_side(cleared_adult, _square(child, 200)))
     assert len(faces) == 2
-    assert decision.estimate.under_18 != 0 and decision.estimate.under_21 != 0
+    assert decision.under_18 != 0 and decision.under_21 != 0
     assert decision.reason == "another_face"
 
 
@@ -437,7 +433,7 @@ def test_two_adults_side_by_side_are_cleared(
     first, second = cleared_adults
     faces, decision = _decide(analyzer, _side_by_side(first, _square(second, 220)))
     assert len(faces) == 2 and all(face.age is not None for face in faces)  # both were estimated
-    assert decision.estimate.under_18 == 0 and decision.reason in (None, "uncertain_age")
+    assert decision.under_18 == 0 and decision.reason in (None, "uncertain_age")
 
 
 def test_a_small_background_face_is_not_estimated_and_does_not_withhold_the_zero(
@@ -448,7 +444,7 @@ def test_a_small_background_face_is_not_estimated_and_does_not_withhold_the_zero
     others = [face for face in faces if face is not subject]
     assert others and all(f.detection.area < OTHER_FACE_AREA_RATIO * subject.detection.area for f in others)
     assert all(face.age is None for face in others)  # no model time spent on them
-    assert decision.estimate.under_18 == 0
+    assert decision.under_18 == 0
 
 
 def test_a_subject_below_the_age_bar_gets_50(analyzer: FaceAnalyzer, cleared_adult: np.ndarray) -> None:
@@ -456,7 +452,7 @@ def test_a_subject_below_the_age_bar_gets_50(analyzer: FaceAnalyzer, cleared_adu
     blurred = cv2.GaussianBlur(cleared_adult, (0, 0), 6)
     faces, decision = _decide(analyzer, blurred)
     assert len(faces) == 1
-    assert (decision.estimate.under_18, decision.estimate.under_21) == (50, 50)
+    assert (decision.under_18, decision.under_21) == (50, 50)
     assert decision.reason == "face_quality" and decision.quality_reasons
 
 
@@ -478,5 +474,5 @@ def test_dev_group_photos_estimate_every_comparable_face(faces_dev: FacesDev, an
             face.age is None or _flags(decide_age([face], COMMITTED))[0] != 0 for face in comparable
         )
         if possible_minor:
-            assert decision.estimate.under_18 != 0, item.path.name
+            assert decision.under_18 != 0, item.path.name
     assert crowded >= 1, "at least one dev group photo should have faces of comparable size"

@@ -102,6 +102,7 @@ def test_fused_vectors_are_unit_length_and_weight_the_two_cosines() -> None:
     rng = np.random.default_rng(0)
     a_dlib, b_dlib, a_sface, b_sface = (unit_rows(rng.normal(size=(1, 128))) for _ in range(4))
     weights_pair = FaceScoreCalibration.load().fusion_weights
+    assert weights_pair is not None
     a = fuse_vectors(a_dlib, a_sface, weights_pair)
     b = fuse_vectors(b_dlib, b_sface, weights_pair)
     assert a.shape == (1, FUSED_DIM)
