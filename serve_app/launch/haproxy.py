@@ -157,6 +157,10 @@ def runtime_dir_for(port: int) -> Path:
     return path
 
 
+def _bind_address(host: str) -> str:
+    return "0.0.0.0" if host in ("", "0.0.0.0", "*") else host
+
+
 def _free(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
@@ -211,8 +215,7 @@ class FrontDoor:
     def environment(self, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
         """Ray's variables for this front door, to export before Ray starts (its controller, the
         HAProxyManager and the replicas all read them at start-up). Ports are picked now."""
-        bind_host = "0.0.0.0" if self.host in ("", "0.0.0.0", "*") else self.host
-        first = free_port_block(bind_host)
+        first = free_port_block(_bind_address(self.host))
         fixed = {
             FRONT_DOOR_FLAG: "1",
             DIRECT_INGRESS_FLAG: "1",
@@ -410,6 +413,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1  # not reached: exec replaced this process
     if options.command == "check":
         return check()
+    if not _free(_bind_address(options.host), options.port):
+        # prepare() empties the runtime directory, which a service running on that port still uses.
+        print(f"port {options.port} is in use: stop the service on it first", file=sys.stderr)
+        return 1
     front_door = FrontDoor.for_port(options.host, options.port)
     front_door.prepare()
     for key, value in sorted(front_door.environment().items()):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import socket
 import stat
 import subprocess
@@ -235,3 +236,28 @@ def test_the_operators_haproxy_is_used_and_a_wrapper_is_not_taken_for_one(tmp_pa
     assert found != door.wrapper and found.name == "haproxy"
     with pytest.raises(FrontDoorError, match="not an executable"):
         haproxy.find_haproxy({"RAY_SERVE_HAPROXY_BINARY_PATH": str(tmp_path / "missing")})
+
+
+def test_the_exports_for_serve_run_are_refused_for_a_port_in_use(capsys: pytest.CaptureFixture[str]) -> None:
+    """`env` empties the runtime directory of its port: never that of a service running there."""
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        assert haproxy.main(["env", "--port", str(port)]) == 1
+    assert "in use" in capsys.readouterr().err
+    assert not haproxy.runtime_dir_for(port).exists()
+
+
+def test_the_exports_for_serve_run_name_a_prepared_front_door(capsys: pytest.CaptureFixture[str]) -> None:
+    port = haproxy.free_port()
+    try:
+        assert haproxy.main(["env", "--port", str(port)]) == 0
+        exports = dict(
+            line.removeprefix("export ").split("=", 1) for line in capsys.readouterr().out.splitlines()
+        )
+        assert exports[FRONT_DOOR_FLAG] == "1"
+        assert Path(exports["RAY_SERVE_HAPROXY_BINARY_PATH"]) == haproxy.runtime_dir_for(port) / "haproxy"
+        assert (haproxy.runtime_dir_for(port) / "haproxy").is_file()
+    finally:
+        shutil.rmtree(haproxy.runtime_dir_for(port), ignore_errors=True)
