@@ -13,6 +13,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import sys
 import time
@@ -153,6 +154,7 @@ def running_service(
                 print(f"HAProxy pid {pid} was left behind by Serve; stopping it", file=sys.stderr)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+            shutil.rmtree(door.runtime_dir, ignore_errors=True)
         embedded.stop()
         for key, value in saved.items():
             if value is None:

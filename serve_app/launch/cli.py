@@ -124,7 +124,11 @@ def _serve_until_stopped(
         return 2
     if front_door is not None:
         # HAProxy (started by Serve) takes the public port and spreads requests over the ingress replicas.
-        front_door.prepare()
+        try:
+            front_door.prepare()
+        except FrontDoorError as error:
+            print(f"facesearch start: {error}", file=sys.stderr, flush=True)
+            return 2
         os.environ.update(front_door.environment())
     settings, embedded_servers = start_embedded_services(Settings.from_env())
     # Replicas read their settings from the environment they inherit from this process (never from bind

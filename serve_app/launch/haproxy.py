@@ -12,8 +12,9 @@ and one wrapper:
   readable by its user only (the admin socket takes commands from whoever can reach it), instead of
   /tmp/haproxy-serve, which every service on the machine would share;
 - free ports for HAProxy's stats page and Prometheus exporter and for Serve's fallback proxy, and a block of
-  free ports for the replicas' own servers, so two services on one machine never meet on a port;
-- health checks and retries tuned so that a replica that dies costs no failed request (TUNING);
+  free ports for the replicas' own servers, picked at start, so two services on one machine do not share one;
+- health checks and retries tuned so that a replica that dies costs only the requests it was answering
+  (TUNING);
 - the wrapper that Ray starts instead of haproxy (RAY_SERVE_HAPROXY_BINARY_PATH): it adjusts the
   configuration Ray wrote (adjust_config) and then becomes the real haproxy (exec, same pid):
   - the stats and exporter listeners bind the front door's own address (Ray's template binds them on every
@@ -53,7 +54,7 @@ from pathlib import Path
 from serve_app.deployments.front_door import DIRECT_INGRESS_FLAG, FRONT_DOOR_FLAG, FRONT_DOOR_SOURCE_ADDRESS
 
 BINARY_VARIABLE = "RAY_SERVE_HAPROXY_BINARY_PATH"
-# The first comment line of the wrapper and of a configuration the wrapper adjusted.
+# The comment that marks the wrapper (its second line), and the first line of a configuration it adjusted.
 _WRAPPER_MARK = "# facesearch front door:"
 _ADJUSTED_MARK = "# adjusted by serve_app.launch.haproxy"
 WRAPPER_NAME = "haproxy"
@@ -240,7 +241,11 @@ class FrontDoor:
         """A fresh runtime directory (mode 0700) with the wrapper and the error answer in it. Whatever an
         earlier run on this port left there goes: only one service can hold the port at a time."""
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
-        self.runtime_dir.mkdir(mode=0o700, parents=True)
+        try:
+            self.runtime_dir.mkdir(mode=0o700, parents=True)
+        except FileExistsError:
+            # rmtree removes a directory of ours: what is left is another user's (or a link to one).
+            raise FrontDoorError(f"{self.runtime_dir} exists and is not this user's to replace") from None
         self.error_file.write_bytes(unavailable_answer())
         source_root = Path(__file__).resolve().parents[2]
         python_path = os.pathsep.join(filter(None, [str(source_root), os.environ.get("PYTHONPATH", "")]))
@@ -409,8 +414,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     env.add_argument("--host", default="127.0.0.1", help="the public address (http_options.host)")
     options = parser.parse_args(argv)
     if options.command == "exec":
-        run_haproxy(options.haproxy, options.error_file, _without_separator(options.arguments))
-        return 1  # not reached: exec replaced this process
+        try:
+            run_haproxy(options.haproxy, options.error_file, _without_separator(options.arguments))
+        except FrontDoorError as error:
+            print(f"front door: {error}", file=sys.stderr)  # Ray reports HAProxy's stderr when it fails
+        return 1  # reached only on failure: exec replaced this process
     if options.command == "check":
         return check()
     if not _free(_bind_address(options.host), options.port):

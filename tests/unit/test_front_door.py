@@ -261,3 +261,15 @@ def test_the_exports_for_serve_run_name_a_prepared_front_door(capsys: pytest.Cap
         assert (haproxy.runtime_dir_for(port) / "haproxy").is_file()
     finally:
         shutil.rmtree(haproxy.runtime_dir_for(port), ignore_errors=True)
+
+
+def test_a_runtime_directory_that_is_not_ours_is_not_used(tmp_path: Path) -> None:
+    """The directory's name is predictable: one that rmtree cannot clear (here a link to elsewhere, as another
+    user could leave) stops the start with the reason instead of HAProxy writing through it."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    link = tmp_path / "door"
+    link.symlink_to(elsewhere)
+    with pytest.raises(FrontDoorError, match="not this user's"):
+        FrontDoor("127.0.0.1", 18128, link, Path("/bin/true")).prepare()
+    assert list(elsewhere.iterdir()) == []

@@ -130,6 +130,7 @@ def launcher(tmp_path: Path) -> Iterator[Launcher]:
         if running.process is not None and running.process.poll() is None:
             running.stop()
         shutil.rmtree(running.ray_tmp, ignore_errors=True)
+        shutil.rmtree(runtime_dir_for(running.port), ignore_errors=True)
 
 
 def _search_completes(base_url: str, token: str, photo: Path) -> None:
