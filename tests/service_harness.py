@@ -13,6 +13,8 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import asyncio
 import contextlib
 import os
+import shutil
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -22,8 +24,10 @@ from typing import Any
 
 import httpx
 
-from serve_app.launch.deploy_config import DIRECT_INGRESS_FLAG, direct_ingress_env, load_serve_config
+from serve_app.deployments.front_door import DIRECT_INGRESS_FLAG, FRONT_DOOR_FLAG
+from serve_app.launch.deploy_config import load_serve_config
 from serve_app.launch.embedded import EmbeddedServices, free_port
+from serve_app.launch.haproxy import FrontDoor
 from serve_app.launch.topology import AppArgs
 from serve_app.settings import Settings
 
@@ -45,6 +49,8 @@ class RunningService:
     data_dir: Path
     # Ray's Prometheus endpoint for this node (custom metrics included), on 127.0.0.1.
     metrics_url: str
+    # HAProxy on base_url's port in front of the ingress replicas, when the config asks for it.
+    front_door: FrontDoor | None = None
 
     def http(self, timeout: float = 30.0) -> httpx.Client:
         return httpx.Client(base_url=self.base_url, timeout=timeout)
@@ -87,10 +93,9 @@ def running_service(
     direct_ingress: bool | None = None,
 ) -> Iterator[RunningService]:
     """args: the application's (default: config/serve.yaml's, whose runtime_env env_vars are then exported
-    before Ray starts, as the launcher does). With direct_ingress (default: as that
-    config says when args is not given, else off), clients reach the ingress replica's own HTTP server
-    (base_url), as `facesearch start` sets it up for a config that asks for it; Serve's proxy then listens
-    on a port nobody calls."""
+    before Ray starts, as the launcher does). With direct_ingress (default: as that config says when args
+    is not given, else off), the ingress replicas serve HTTP themselves behind the front door, HAProxy on
+    base_url's port, set up as `facesearch start` sets it up; without, Serve's HTTP proxy takes base_url."""
     import ray
     from ray import serve
 
@@ -104,14 +109,17 @@ def running_service(
         direct_ingress = shipped.direct_ingress if direct_ingress is None else direct_ingress
     ray_tmp = Path(f"/tmp/ray-{os.getpid()}")
     ray_tmp.mkdir(parents=True, exist_ok=True)
-    direct_port = free_port() if direct_ingress else None
+    port = free_port()
+    door = FrontDoor.for_port("127.0.0.1", port) if direct_ingress else None
+    if door is not None:
+        door.prepare()
     overrides = {
         **config_env,
         **loopback_ray_env(ray_tmp),
         "FACESEARCH_DATA_DIR": str(data_dir),
-        # Off explicitly otherwise: a service started from a process that runs one with direct ingress (the
-        # test session's) would inherit the flag and that service's one port, which is taken.
-        **(direct_ingress_env(direct_port) if direct_port else {DIRECT_INGRESS_FLAG: "0"}),
+        # Off explicitly otherwise: a service started from a process that runs one with the front door (the
+        # test session's) would inherit the switches and that service's files and ports.
+        **(door.environment() if door is not None else {FRONT_DOOR_FLAG: "0", DIRECT_INGRESS_FLAG: "0"}),
         **(env or {}),
     }
     saved = {key: os.environ.get(key) for key in overrides}
@@ -124,8 +132,8 @@ def running_service(
         backends = settings.backend_environment()
         saved.update({key: os.environ.get(key) for key in backends if key not in saved})
         os.environ.update(backends)
-        proxy_port, metrics_port = _start_ray_and_serve(overrides)
-        base_url = f"http://127.0.0.1:{direct_port or proxy_port}"
+        metrics_port = _start_ray_and_serve(overrides, port)
+        base_url = f"http://127.0.0.1:{port}"
         _deploy(bind_app(args), start_timeout_s)
         _wait_ready(base_url, start_timeout_s)
         yield RunningService(
@@ -134,12 +142,19 @@ def running_service(
             embedded=embedded,
             data_dir=data_dir,
             metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
+            front_door=door,
         )
     finally:
         with contextlib.suppress(Exception):
             serve.shutdown()
         with contextlib.suppress(Exception):
             ray.shutdown()
+        if door is not None:
+            for pid in door.left_behind():  # as the launcher does; Serve and Ray should have stopped them
+                print(f"HAProxy pid {pid} was left behind by Serve; stopping it", file=sys.stderr)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            shutil.rmtree(door.runtime_dir, ignore_errors=True)
         embedded.stop()
         for key, value in saved.items():
             if value is None:
@@ -148,17 +163,18 @@ def running_service(
                 os.environ[key] = value
 
 
-def _start_ray_and_serve(env_vars: dict[str, str]) -> tuple[int, int]:
-    """Start a loopback Ray node and Serve's controller and HTTP proxy; return (HTTP port, metrics port).
+def _start_ray_and_serve(env_vars: dict[str, str], port: int) -> int:
+    """Start a loopback Ray node and Serve's controller and HTTP proxy (or front door) on `port`; return
+    Ray's metrics port.
 
     On a loaded 2-core machine Ray's own fixed start-up deadlines (30 s for the raylet to register, 60 s
     for the HTTP proxy) are occasionally missed. Nothing of the application exists yet at this point, so
-    a failed start is torn down and tried again on fresh ports; only the last failure is raised."""
+    a failed start is torn down and tried again; only the last failure is raised."""
     import ray
     from ray import serve
 
     for attempt in range(1, RAY_START_ATTEMPTS + 1):
-        port, metrics_port = free_port(), free_port()
+        metrics_port = free_port()
         try:
             ray.init(
                 _node_ip_address="127.0.0.1",
@@ -169,7 +185,7 @@ def _start_ray_and_serve(env_vars: dict[str, str]) -> tuple[int, int]:
                 runtime_env={"env_vars": env_vars},
             )
             serve.start(http_options={"host": "127.0.0.1", "port": port})
-            return port, metrics_port
+            return metrics_port
         except Exception as error:
             with contextlib.suppress(Exception):
                 serve.shutdown()

@@ -11,7 +11,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.api.app import create_app
-from serve_app.deployments.direct_ingress import make_direct_ingress_restartable
+from serve_app.deployments.front_door import behind_the_front_door, trusting_the_front_door
 from serve_app.settings import Settings
 from serve_app.wiring.api import build_api_services
 
@@ -27,12 +27,14 @@ from serve_app.wiring.api import build_api_services
 @serve.ingress()
 class ApiIngress:
     def __init__(self, worker: DeploymentHandle[Any] | None = None) -> None:
-        # Before Serve opens this replica's own HTTP server (direct ingress), which happens after __init__.
-        make_direct_ingress_restartable()
         # The worker handle is held only so the worker deployment is part of the application graph.
         self._worker = worker
         # Settings come from this replica's own environment (secrets never travel as bind arguments).
-        self._services = build_api_services(Settings.from_env())
+        settings = Settings.from_env()
+        if behind_the_front_door():
+            # HAProxy is every request's peer here; the client is in its X-Forwarded-For.
+            settings = trusting_the_front_door(settings)
+        self._services = build_api_services(settings)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return create_app(self._services)

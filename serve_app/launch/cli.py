@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -32,13 +33,16 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import TypeAdapter, ValidationError
 
 from serve_app.domain.gallery import DEFAULT_PAGE_SIZE
 from serve_app.launch import calibrate
 from serve_app.settings import MaxMatches, MinScore, Settings, development_secret_path
+
+if TYPE_CHECKING:
+    from serve_app.launch.haproxy import FrontDoor
 
 logger = logging.getLogger("facesearch")
 
@@ -81,8 +85,9 @@ def _serve_until_stopped(
 
     from models.analyzer import ModelConfig
     from models.errors import WeightFileError
-    from serve_app.launch.deploy_config import direct_ingress_env, load_serve_config
-    from serve_app.launch.embedded import free_port, start_embedded_services
+    from serve_app.launch.deploy_config import load_serve_config
+    from serve_app.launch.embedded import Revival, start_embedded_services
+    from serve_app.launch.haproxy import FrontDoor, FrontDoorError
     from serve_app.launch.topology import bind_app
 
     # Validate the config before anything starts: a typo in it stops here, naming the key.
@@ -94,12 +99,21 @@ def _serve_until_stopped(
     except WeightFileError as error:
         print(f"facesearch start: {error}", file=sys.stderr, flush=True)
         return 2
+    public_port = port or int(serve_config.http_options.get("port", 8000))
+    front_door: FrontDoor | None = None
+    if serve_config.direct_ingress:
+        try:
+            front_door = FrontDoor.for_port(host, public_port)
+        except FrontDoorError as error:
+            print(f"facesearch start: {error}", file=sys.stderr, flush=True)
+            return 2
+        # An HAProxy that a killed launcher of this service left behind would keep the port for ever.
+        _stop_left_behind(front_door, "before starting")
     # The config's Ray Serve switches, before Ray starts: its controller and proxy read them at start-up
     # too, not only the application's replicas (which is all `serve run` would give them to).
     os.environ.update(serve_config.env_vars)
-    public_port = port or int(serve_config.http_options.get("port", 8000))
     # A service stopped a moment ago may still be letting go of the port; another program keeping it is
-    # said plainly here instead of as a replica that can never bind.
+    # said plainly here instead of as a front door that can never bind.
     if not wait_until_port_free(host, public_port, PORT_RELEASE_WAIT_S):
         print(
             f"facesearch start: {host}:{public_port} is in use by another program (still after "
@@ -108,11 +122,14 @@ def _serve_until_stopped(
             flush=True,
         )
         return 2
-    proxy_port = public_port
-    if serve_config.direct_ingress:
-        # The ingress replica serves the public port itself; Serve's proxy still starts, on a spare port.
-        proxy_port = free_port()
-        os.environ.update(direct_ingress_env(public_port))
+    if front_door is not None:
+        # HAProxy (started by Serve) takes the public port and spreads requests over the ingress replicas.
+        try:
+            front_door.prepare()
+        except FrontDoorError as error:
+            print(f"facesearch start: {error}", file=sys.stderr, flush=True)
+            return 2
+        os.environ.update(front_door.environment())
     settings, embedded_servers = start_embedded_services(Settings.from_env())
     # Replicas read their settings from the environment they inherit from this process (never from bind
     # arguments, which Ray keeps in its stored state): name the servers just started there.
@@ -126,20 +143,32 @@ def _serve_until_stopped(
     )
     _stop_on_signals(stopped)
     if not stopped.is_set():
-        serve.start(http_options={"host": host, "port": proxy_port})
+        serve.start(http_options={"host": host, "port": public_port})
         serve.run(bind_app(serve_config.args), name="facesearch", route_prefix="/")
     if not stopped.is_set():
         print(f"facesearch is serving on http://{host}:{public_port}", flush=True)
     # The embedded servers are this launcher's children: one that dies is started again in place (same
-    # port, same data), as Serve restarts a replica, instead of leaving the service down until someone acts.
+    # port, same data), as Serve restarts a replica, instead of leaving the service down until someone acts;
+    # a start that fails is tried again later, never the end of the service.
+    revival = Revival(embedded_servers) if embedded_servers is not None else None
     while not stopped.wait(EMBEDDED_CHECK_INTERVAL_S):
-        if embedded_servers is not None:
-            embedded_servers.revive()
+        if revival is not None:
+            revival.check()
     serve.shutdown()  # type: ignore[no-untyped-call]  # untyped in Ray
     ray.shutdown()
+    if front_door is not None:
+        _stop_left_behind(front_door, "after Serve stopped")
     # Exit only once the port is free, so that a supervisor restarting at once finds it free.
     wait_until_port_free(host, public_port, PORT_RELEASE_WAIT_S)
     return 0
+
+
+def _stop_left_behind(front_door: FrontDoor, when: str) -> None:
+    """SIGKILL the HAProxy processes of this front door that no running Serve owns (FrontDoor.left_behind)."""
+    for pid in front_door.left_behind():
+        logger.warning("front door: HAProxy pid %d was left behind (%s); stopping it", pid, when)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 # How long `facesearch start` waits for its port to be let go of, before starting and before it exits.

@@ -1,8 +1,9 @@
 """What a Serve config file says, read and checked before anything starts: the application's `args`
 (serve_app.launch.topology.AppArgs), Serve's http options, the environment its Ray processes need and
-whether the ingress serves its port itself (direct ingress). Every part is a pydantic model that rejects
-unknown keys, so a typo fails with a message naming the key instead of being ignored. No Ray here: the
-config files are checked by unit tests.
+whether its ingress replicas sit behind the front door (HAProxy on the public port,
+serve_app/launch/haproxy.py). Every part is a pydantic model that rejects unknown keys, so a typo fails
+with a message naming the key instead of being ignored. No Ray here: the config files are checked by unit
+tests.
 """
 
 from __future__ import annotations
@@ -12,18 +13,18 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from serve_app.deployments.user_config import INGRESS
+from serve_app.deployments.front_door import DIRECT_INGRESS_FLAG as DIRECT_INGRESS_FLAG
+from serve_app.deployments.front_door import FRONT_DOOR_FLAG as FRONT_DOOR_FLAG
 from serve_app.launch.topology import AppArgs
-
-# Ray Serve's own switch (read by its processes at start-up) for direct ingress: the ingress replica runs
-# its own HTTP server, so a request skips Serve's HTTP proxy and the proxy-to-replica actor call. A config
-# turns it on in its application's runtime_env; the launcher then gives that server the public port.
-DIRECT_INGRESS_FLAG = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
 
 
 class ServeConfig(NamedTuple):
     args: AppArgs
     http_options: dict[str, Any]
+    # The ingress replicas serve HTTP themselves (Ray Serve's direct ingress) behind the front door: the
+    # application asks for HAProxy on the public port (RAY_SERVE_ENABLE_HA_PROXY in its runtime_env), which
+    # spreads requests over every replica's own server. Otherwise Serve's HTTP proxy takes the requests (a
+    # Ray cluster's config, docs/scaling.md).
     direct_ingress: bool
     # The application's runtime_env env_vars: Ray Serve's own switches, which its processes read when they
     # start. `serve run` hands them to the application's replicas; the launcher and the test harness put
@@ -50,30 +51,14 @@ def parse_serve_config(document: dict[str, Any]) -> ServeConfig:
         str(name): str(value)
         for name, value in (((application.get("runtime_env") or {}).get("env_vars")) or {}).items()
     }
-    direct_ingress = env_vars.get(DIRECT_INGRESS_FLAG, "0") == "1"
-    if direct_ingress:
-        ingress = deployment_options.get(INGRESS, {})
-        # Serve's own default is one replica, so leaving num_replicas out is fine.
-        if ingress.get("num_replicas", 1) != 1 or "autoscaling_config" in ingress:
-            raise ValueError(
-                f"{DIRECT_INGRESS_FLAG}: the ingress replica serves the public port itself, so ApiIngress "
-                "needs num_replicas: 1 (a second replica would listen on another port, behind no proxy)"
-            )
+    direct_ingress = env_vars.get(FRONT_DOOR_FLAG, "0") == "1"
+    if env_vars.get(DIRECT_INGRESS_FLAG, "0") == "1" and not direct_ingress:
+        # Without the front door, each ingress replica would serve a port of its own that no client knows,
+        # and one that dies would leave its clients refused until it is back.
+        raise ValueError(
+            f'{DIRECT_INGRESS_FLAG} needs the front door: set {FRONT_DOOR_FLAG}: "1" as well (HAProxy on '
+            "the public port in front of the ingress replicas' own servers), or neither (Serve's HTTP proxy)"
+        )
     return ServeConfig(
         AppArgs.model_validate(args), dict(document.get("http_options") or {}), direct_ingress, env_vars
     )
-
-
-def direct_ingress_env(port: int) -> dict[str, str]:
-    """The environment for Ray (set before it starts, so its controller and replicas read it) that puts the
-    one ingress replica's own HTTP server on `port`. The port range is that one port, and a released port is
-    not held back (Ray quarantines it for a while by default), so a restarted ingress replica comes back on
-    the same port. Ray holds a stopping ingress replica open for a draining period (30 s by default) so that a
-    load balancer can deregister it; with none in front, it only waits for the requests in flight."""
-    return {
-        DIRECT_INGRESS_FLAG: "1",
-        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
-        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),  # exclusive
-        "RAY_SERVE_PORT_QUARANTINE_S": "0",
-        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
-    }

