@@ -20,7 +20,8 @@ RETRY_STATUSES = (429, 503, 507)  # 507: the service's storage is full, nothing 
 @dataclass(frozen=True)
 class RetryPolicy:
     """Back-off on 429, 503 and 507: wait what Retry-After says (capped at max_wait_s), else an exponential
-    delay from base_s; give up (RetriesExhausted) after max_retries retries."""
+    delay from base_s; give up (RetriesExhausted) after max_retries retries. A connection that broke
+    before any answer is retried the same way when sending the call again is safe (resend_delay)."""
 
     max_retries: int = 5
     base_s: float = 0.5
@@ -34,6 +35,22 @@ class RetryPolicy:
         header = response.headers.get("retry-after", "").strip()
         if header.isdigit():
             return min(float(header), self.max_wait_s)
+        return self._backoff(retries_done)
+
+    def resend_delay(self, call: Call, error: httpx.TransportError, retries_done: int) -> float | None:
+        """Seconds to wait before sending `call` again after its exchange failed without an answer, or None
+        to let the error through. A refused connection reached nothing, so any call goes again; a
+        connection that broke later (reset, closed mid-answer) may have reached the service, so only a
+        repeatable call does. A timeout is the caller's own budget, never retried here."""
+        if retries_done >= self.max_retries:
+            return None
+        if isinstance(error, httpx.ConnectError) or (
+            call.repeatable and isinstance(error, httpx.NetworkError | httpx.RemoteProtocolError)
+        ):
+            return self._backoff(retries_done)
+        return None
+
+    def _backoff(self, retries_done: int) -> float:
         return min(self.base_s * 2.0**retries_done, self.max_wait_s)
 
 

@@ -31,6 +31,10 @@ class Call:
     params: dict[str, str] | None = None
     headers: dict[str, str] = field(default_factory=dict)
     authenticated: bool = True
+    # Sending it twice acts once (a read, a login, a create carrying its Idempotency-Key): a call whose
+    # connection broke before any answer came is sent again, since it may or may not have reached the
+    # service (an ingress replica that died while receiving it, say).
+    repeatable: bool = False
 
 
 def _image(image: Image, filename: str | None) -> tuple[str, bytes]:
@@ -68,6 +72,7 @@ def login(client_id: str, client_secret: str) -> Call:
         "/request-access-token",
         json={"client_id": client_id, "client_secret": client_secret},
         authenticated=False,
+        repeatable=True,
     )
 
 
@@ -100,7 +105,7 @@ def face_search(
         uri = f"data:image/{_subtype(content)};base64,{base64.b64encode(content).decode()}"
         # extra comes last so a caller (a test of bad input) may replace any field, the file included.
         body = {"type": "face_search", "file": uri, **fields, **(extra or {})}
-        return Call("POST", "/face-search", json=body, headers=headers)
+        return Call("POST", "/face-search", json=body, headers=headers, repeatable=True)
     data = {key: str(value) for key, value in fields.items()}
     return Call(
         "POST",
@@ -108,6 +113,7 @@ def face_search(
         data=data,
         files={"file": (name, content, "application/octet-stream")},
         headers=headers,
+        repeatable=True,
     )
 
 
@@ -134,13 +140,16 @@ def age_estimation(
         data=data,
         files={"file": (name, content, "application/octet-stream")},
         headers={**_idempotency(idempotency_key), **prefer_wait(wait_s)},
+        repeatable=True,
     )
 
 
 def result(reference_id: str, wait_s: float | None = None) -> Call:
     """wait_s: long poll (Prefer: wait=N, RFC 7240): the service holds the request until the transaction
     is final or N seconds (capped by the service) pass."""
-    return Call("POST", "/result", json={"reference_id": reference_id}, headers=prefer_wait(wait_s))
+    return Call(
+        "POST", "/result", json={"reference_id": reference_id}, headers=prefer_wait(wait_s), repeatable=True
+    )
 
 
 def list_faces(
@@ -151,7 +160,7 @@ def list_faces(
         for key, value in (("client_reference", client_reference), ("limit", limit), ("cursor", cursor))
         if value is not None
     }
-    return Call("GET", "/gallery/faces", params=params)
+    return Call("GET", "/gallery/faces", params=params, repeatable=True)
 
 
 def delete_face(face_id: str) -> Call:
@@ -163,12 +172,12 @@ def erase(client_reference: str) -> Call:
 
 
 def gallery_stats() -> Call:
-    return Call("GET", "/gallery/stats")
+    return Call("GET", "/gallery/stats", repeatable=True)
 
 
 def audit(limit: int | None = None, cursor: str | None = None) -> Call:
     params = {key: str(value) for key, value in (("limit", limit), ("cursor", cursor)) if value is not None}
-    return Call("GET", "/gallery/audit", params=params)
+    return Call("GET", "/gallery/audit", params=params, repeatable=True)
 
 
 def error_of(response: httpx.Response) -> ApiError:

@@ -73,15 +73,23 @@ class FaceSearchClient:
     def _attempts(self, call: Call, headers: dict[str, str]) -> httpx.Response:
         retries = 0
         while True:
-            response = self._http.request(
-                call.method,
-                call.path,
-                json=call.json,
-                data=call.data,
-                files=call.files,
-                params=call.params,
-                headers={**call.headers, **headers},
-            )
+            try:
+                response = self._http.request(
+                    call.method,
+                    call.path,
+                    json=call.json,
+                    data=call.data,
+                    files=call.files,
+                    params=call.params,
+                    headers={**call.headers, **headers},
+                )
+            except httpx.TransportError as error:
+                broken = self.retry.resend_delay(call, error, retries)
+                if broken is None:
+                    raise
+                retries += 1
+                self._sleep(broken)
+                continue
             delay = self.retry.delay(response, retries)
             if delay is None:
                 return response
@@ -92,8 +100,9 @@ class FaceSearchClient:
         self.session.accept_login(self._attempts(self.session.login_call(), {}))
 
     def send(self, call: Call) -> httpx.Response:
-        """One call with credentials, retried on 429/503 as the RetryPolicy says, with one fresh login
-        after a 401. Returns the last response whatever its status (a 429/503 once retries are spent)."""
+        """One call with credentials, retried on 429/503/507 and on a broken connection as the RetryPolicy
+        says, with one fresh login after a 401. Returns the last response whatever its status (a 429/503
+        once retries are spent); a broken connection that may not be resent is raised."""
         if not call.authenticated:
             return self._attempts(call, {})
         if self.session.needs_login():

@@ -53,11 +53,12 @@ class Service:
 
     def __init__(self, expires_in: int = 900) -> None:
         self.requests: list[httpx.Request] = []
-        self.answers: dict[str, list[httpx.Response]] = {}
+        # An exception in the queue is raised by the transport instead of an answer (a broken connection).
+        self.answers: dict[str, list[httpx.Response | Exception]] = {}
         self.logins = 0
         self.expires_in = expires_in
 
-    def queue(self, path: str, *responses: httpx.Response) -> None:
+    def queue(self, path: str, *responses: httpx.Response | Exception) -> None:
         self.answers.setdefault(path, []).extend(responses)
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
@@ -68,7 +69,10 @@ class Service:
             assert body == {"client_id": CLIENT_ID, "client_secret": SECRET}
             data = {"token": f"token-{self.logins}", "token_type": "Bearer", "expires_in": self.expires_in}
             return httpx.Response(200, json=envelope(data))
-        return self.answers[request.url.path].pop(0)
+        answer = self.answers[request.url.path].pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
 
     def sent(self, path: str) -> list[httpx.Request]:
         return [request for request in self.requests if request.url.path == path]
@@ -170,6 +174,38 @@ def test_429_and_503_honour_retry_after_and_give_up_after_the_bound() -> None:
         api.result(REF)
     assert raised.value.status_code == 429
     assert len(service.sent("/result")) == 4 + 4  # the bound: one try and three retries
+
+
+def test_a_create_whose_connection_broke_is_sent_again_with_its_key_and_other_calls_are_not() -> None:
+    """A replica that dies while receiving a create leaves the client with a broken connection and no
+    answer: the create may exist. Sent again with its Idempotency-Key it is created at most once, so the
+    client resends it; a deletion is not repeatable and the error reaches the caller. A refused connection
+    reached nothing, so any call goes again."""
+    service = Service()
+    api, slept = client(service, retry=RetryPolicy(max_retries=3, base_s=0.5))
+    created = httpx.Response(200, json=envelope({"reference_id": REF}))
+    broken = httpx.RemoteProtocolError("Server disconnected without sending a response.")
+    service.queue("/face-search", broken, httpx.ReadError("connection reset"), created)
+    assert api.submit_face_search(b"\xff\xd8 jpeg") == REF
+    keys = {request.headers["idempotency-key"] for request in service.sent("/face-search")}
+    assert len(service.sent("/face-search")) == 3 and len(keys) == 1
+    assert slept == [0.5, 1.0]
+
+    service.queue("/gallery/faces/f" + "1" * 32, httpx.ReadError("connection reset"))
+    with pytest.raises(httpx.ReadError):
+        api.delete_face("f" + "1" * 32)
+    service.queue(
+        "/gallery/faces/f" + "2" * 32,
+        httpx.ConnectError("refused"),
+        httpx.Response(200, json=envelope({"face_id": "f" + "2" * 32, "deleted": True})),
+    )
+    api.delete_face("f" + "2" * 32)
+    assert len(service.sent("/gallery/faces/f" + "2" * 32)) == 2
+
+    service.queue("/result", *(httpx.ReadTimeout("slow") for _ in range(2)))
+    with pytest.raises(httpx.ReadTimeout):  # a timeout is the caller's budget: not resent
+        api.result(REF)
+    assert len(service.sent("/result")) == 1
 
 
 def test_send_returns_the_last_answer_once_retries_are_spent() -> None:
