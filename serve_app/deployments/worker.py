@@ -20,6 +20,7 @@ from serve_app.deployments.user_config import WorkerConfig
 from serve_app.domain.errors import BackendUnavailable
 from serve_app.pipelines.reconcile import ReconcileReport
 from serve_app.settings import Settings
+from serve_app.stores.redis_support import check_eviction_policy
 from serve_app.wiring.webhooks import build_deliverer
 from serve_app.wiring.worker import (
     WorkerStores,
@@ -105,6 +106,8 @@ class TransactionWorker:
             name: loop.create_task(entry.run(self._stop), name=f"worker loop {name}")
             for name, entry in self._loops.items()
         }
+        # Once per replica: an external Redis that may evict keys is a risk to accepted work (logged).
+        self._policy_check = loop.create_task(check_eviction_policy(self._stores.redis.redis))
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         # Unknown keys fail the deploy (the replica does not start), naming the key.

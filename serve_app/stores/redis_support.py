@@ -109,6 +109,27 @@ def is_sentinel_url(url: str) -> bool:
     return url.split("://", 1)[0] in SENTINEL_SCHEMES
 
 
+async def check_eviction_policy(redis: Redis) -> str | None:
+    """The server's `maxmemory-policy` as INFO reports it (None where a managed Redis hides it, or Redis is
+    away), logged as an error unless it is noeviction: any other policy lets Redis delete keys at
+    maxmemory, queued transactions, locks and leases among them, so accepted work could be lost."""
+    try:
+        async with redis_errors():
+            info: dict[str, Any] = await redis.info("memory")
+    except BackendUnavailable as error:
+        logger.debug("Redis eviction policy not read: %s", error.message)
+        return None
+    policy = info.get("maxmemory_policy")
+    if policy is not None and policy != "noeviction":
+        logger.error(
+            "Redis runs with maxmemory-policy %s: at maxmemory it deletes keys, queued transactions and "
+            "locks among them, and accepted work can be lost. Set maxmemory-policy noeviction "
+            "(docs/scaling.md, 'Redis memory').",
+            policy,
+        )
+    return None if policy is None else str(policy)
+
+
 def connect_redis(
     url: str,
     *,

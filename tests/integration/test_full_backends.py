@@ -37,7 +37,7 @@ from serve_app.pipelines.worker import QueueWorker, WorkerPolicy
 from serve_app.settings import AuthSettings, HttpSettings, MilvusSettings, RedisSettings, Settings
 from serve_app.stores.blobs import LocalBlobStore
 from serve_app.stores.milvus_gallery import MilvusGalleryStore
-from serve_app.stores.redis_support import connect_redis
+from serve_app.stores.redis_support import check_eviction_policy, connect_redis
 from serve_app.stores.redis_transactions import RedisTransactionStore
 from serve_app.wiring.api import build_api_services
 from serve_app.wiring.stores import RedisStores, redis_stores, result_archive
@@ -183,13 +183,27 @@ async def backends(
 # -- Redis at its maxmemory ----------------------------------------------------------------------------------
 
 
-def test_the_embedded_redis_never_evicts_keys(redis_server: EmbeddedRedis) -> None:
-    """Evicting a key at maxmemory would drop accepted transactions; the server must refuse writes instead."""
+def test_the_embedded_redis_never_evicts_keys_and_an_evicting_one_is_reported(
+    redis_server: EmbeddedRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Evicting a key at maxmemory would drop accepted transactions; the server must refuse writes instead.
+    The embedded server runs noeviction; a Redis set to evict (a managed default) is logged as an error by
+    the check each worker replica runs when it starts."""
 
     async def scenario() -> None:
         redis = connect_redis(redis_server.url)
         try:
             assert (await redis.info("memory"))["maxmemory_policy"] == "noeviction"
+            with caplog.at_level(logging.ERROR, logger="serve_app"):
+                assert await check_eviction_policy(redis) == "noeviction"
+                assert not caplog.records
+                await redis.config_set("maxmemory-policy", "volatile-lru")
+                try:
+                    assert await check_eviction_policy(redis) == "volatile-lru"
+                finally:
+                    await redis.config_set("maxmemory-policy", "noeviction")
+            (record,) = caplog.records
+            assert "maxmemory-policy volatile-lru" in record.getMessage()
         finally:
             await redis.aclose()
 
