@@ -154,9 +154,9 @@ class TransactionWorker:
         self._stop.set()
         consumer = self._tasks.get("consumer")
         others = [task for task in self._tasks.values() if task is not consumer]
-        for task in others:
+        for task in [*others, self._policy_check]:
             task.cancel()
-        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        await asyncio.gather(*self._tasks.values(), self._policy_check, return_exceptions=True)
         await self._stores.close()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
