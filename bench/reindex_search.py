@@ -39,9 +39,10 @@ from models.embedder import FUSED_DIM, MODEL_VERSION
 from serve_app.domain.faces import GalleryEntry
 from serve_app.launch.embedded import EmbeddedServices
 from serve_app.settings import Settings
-from serve_app.stores.milvus_gallery import IndexPolicy, MilvusGalleryStore
+from serve_app.stores.milvus_gallery import MilvusGalleryStore
 from serve_app.stores.redis_support import connect_redis
 from serve_app.stores.redis_tenant_clock import RedisTenantClock
+from serve_app.wiring.stores import index_policy
 
 TENANT = "bench-tenant"
 NEW_VERSION = "arcface_bench0000000000"
@@ -58,12 +59,7 @@ def store(settings: Settings, redis_url: str, milvus_uri: str, version: str, dim
         model_version=version,
         dimension=dim,
         timeout_s=60,
-        index_policy=IndexPolicy(
-            flat_max_rows=milvus.flat_max_rows,
-            large_index=milvus.large_index,
-            build_params=dict(milvus.index_params),
-            search_params=dict(milvus.search_params),
-        ),
+        index_policy=index_policy(milvus),
         consistency_level=milvus.consistency_level,
         write_clock=RedisTenantClock(redis, prefix="bench:"),
     )

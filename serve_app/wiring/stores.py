@@ -21,7 +21,7 @@ from pathlib import Path
 from redis.asyncio import Redis
 
 from serve_app.domain.keys import CLIENT_SECRETS
-from serve_app.settings import Settings, wait_replicas
+from serve_app.settings import MilvusSettings, Settings, wait_replicas
 from serve_app.stores.blobs import LocalBlobStore
 from serve_app.stores.interfaces import LockPolicy
 from serve_app.stores.milvus_gallery import IndexPolicy, MilvusGalleryStore
@@ -120,6 +120,16 @@ def lock_policy(settings: Settings) -> LockPolicy:
     return LockPolicy(wait_s=redis.lock_wait_s, ttl_s=redis.lock_ttl_s, max_hold_s=redis.lock_max_hold_s)
 
 
+def index_policy(milvus: MilvusSettings) -> IndexPolicy:
+    """The gallery's index rule (exact up to a size, then the large index) from the settings."""
+    return IndexPolicy(
+        flat_max_rows=milvus.flat_max_rows,
+        large_index=milvus.large_index,
+        build_params=dict(milvus.index_params),
+        search_params=dict(milvus.search_params),
+    )
+
+
 def gallery_store(
     settings: Settings, redis: Redis | None = None, pools: ThreadPools | None = None
 ) -> MilvusGalleryStore:
@@ -136,12 +146,7 @@ def gallery_store(
         model_version=face_model.version,
         dimension=face_model.dim,
         timeout_s=milvus.timeout_s,
-        index_policy=IndexPolicy(
-            flat_max_rows=milvus.flat_max_rows,
-            large_index=milvus.large_index,
-            build_params=dict(milvus.index_params),
-            search_params=dict(milvus.search_params),
-        ),
+        index_policy=index_policy(milvus),
         consistency_level=milvus.consistency_level,
         switch_timeout_s=milvus.index_switch_timeout_s,
         write_clock=RedisTenantClock(redis, prefix=settings.redis.key_prefix),
